@@ -1,0 +1,131 @@
+"""The fp8ops operators: schemas (defined here, in Python), fake implementations and dispatch.
+
+CPU kernels come from `_emulation`. CUDA kernels come from the C++ extension `fp8ops._C`
+(csrc/torch_bindings.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `_backend.load_extension()`
+loads it; otherwise the emulation serves CUDA tensors too. Call ops as torch.ops.fp8ops.<name>.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _backend, _emulation
+
+_lib = torch.library.Library("fp8ops", "DEF")
+
+SCHEMAS = {
+    "amax": "(Tensor x) -> Tensor",
+    "quantize": "(Tensor x, Tensor scale, ScalarType dtype, bool transpose=False, "
+                "bool stochastic=False, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor)",
+    "dequantize": "(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",
+    "quantize_mx": "(Tensor x, ScalarType dtype, int block_size, int axis, bool rceil) "
+                   "-> (Tensor, Tensor)",
+    "dequantize_mx": "(Tensor data, Tensor scales, int block_size, int axis, "
+                     "ScalarType out_dtype) -> Tensor",
+    "quantize_blockwise": "(Tensor x, ScalarType dtype, int block_rows, int block_cols, "
+                          "bool power_of_two) -> (Tensor, Tensor)",
+    "dequantize_blockwise": "(Tensor data, Tensor scale_inv, int block_rows, int block_cols, "
+                            "ScalarType out_dtype) -> Tensor",
+    "delayed_scale_update": "(Tensor amax_history, Tensor scale, Tensor amax_rep, "
+                            "Tensor pending_amax, Tensor step, float fp8_max, float margin, "
+                            "int interval, str algo, float ema_alpha, float percentile, "
+                            "bool power_of_two) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "gemm": "(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor? bias, "
+            "ScalarType out_dtype, bool fast_accum=False) -> Tensor",
+    "gemm_blockwise": "(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor? bias, "
+                      "ScalarType out_dtype) -> Tensor",
+    "gemm_mx": "(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor? bias, "
+               "ScalarType out_dtype, int block_size) -> Tensor",
+}
+
+for _name, _schema in SCHEMAS.items():
+    _lib.define(_name + _schema)
+    _lib.impl(_name, getattr(_emulation, _name), "CPU")
+
+# The C++ kernels register themselves for CUDA when the extension loads; any op it does not
+# cover (or every op, when it is not loaded) runs the emulation on CUDA tensors.
+_backend.load_extension()
+for _name in SCHEMAS:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
+        _lib.impl(_name, getattr(_emulation, _name), "CUDA")
+
+
+# ----------------------------------------------------------------------------------------------
+# fake (meta) implementations: shapes and dtypes only
+# ----------------------------------------------------------------------------------------------
+def _scalar_f32(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((), dtype=torch.float32)
+
+
+def _rows_cols(x: torch.Tensor):
+    cols = x.shape[-1] if x.dim() > 0 else 1
+    rows = 1
+    for s in x.shape[:-1]:
+        rows = rows * s
+    return rows, cols
+
+
+@torch.library.register_fake("fp8ops::amax")
+def _(x):
+    return _scalar_f32(x)
+
+
+@torch.library.register_fake("fp8ops::quantize")
+def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0):
+    rows, cols = _rows_cols(x)
+    data_t = x.new_empty((cols, rows) if transpose else (0,), dtype=dtype)
+    return torch.empty_like(x, dtype=dtype), data_t, _scalar_f32(x)
+
+
+@torch.library.register_fake("fp8ops::dequantize")
+def _(data, scale_inv, out_dtype):
+    return torch.empty_like(data, dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8ops::quantize_mx")
+def _(x, dtype, block_size, axis, rceil):
+    shape = list(x.shape)
+    shape[axis] = shape[axis] // block_size
+    return torch.empty_like(x, dtype=dtype), x.new_empty(shape, dtype=torch.uint8)
+
+
+@torch.library.register_fake("fp8ops::dequantize_mx")
+def _(data, scales, block_size, axis, out_dtype):
+    return torch.empty_like(data, dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8ops::quantize_blockwise")
+def _(x, dtype, block_rows, block_cols, power_of_two):
+    rows, cols = _rows_cols(x)
+    shape = ((rows + block_rows - 1) // block_rows, (cols + block_cols - 1) // block_cols)
+    return torch.empty_like(x, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("fp8ops::dequantize_blockwise")
+def _(data, scale_inv, block_rows, block_cols, out_dtype):
+    return torch.empty_like(data, dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8ops::delayed_scale_update")
+def _(amax_history, scale, amax_rep, pending_amax, step, fp8_max, margin, interval, algo,
+      ema_alpha, percentile, power_of_two):
+    return (torch.empty_like(amax_history), torch.empty_like(scale), torch.empty_like(scale),
+            torch.empty_like(amax_rep), torch.empty_like(pending_amax))
+
+
+def _gemm_out(a, b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8ops::gemm")
+def _(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, fast_accum=False):
+    return _gemm_out(a, b, out_dtype)
+
+
+@torch.library.register_fake("fp8ops::gemm_blockwise")
+def _(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
+    return _gemm_out(a, b, out_dtype)
+
+
+@torch.library.register_fake("fp8ops::gemm_mx")
+def _(a, a_scales, b, b_scales, bias, out_dtype, block_size):
+    return _gemm_out(a, b, out_dtype)
