@@ -1,4 +1,22 @@
-"""fp8ops: FP8 training for PyTorch."""
+"""fp8ops: FP8 training for PyTorch.
+
+Exact emulation everywhere (CPU, any GPU), CUDA cast kernels on sm_89+, a CUTLASS FP8 GEMM on
+Hopper. See README.md; the numerics are those of DESIGN.md sections 3-5.
+"""
 from . import ops  # noqa: F401  (defines the torch.ops.fp8ops operators)
 from ._backend import backend
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, FP8Format
+from .functional import linear
+from .modules import FP8Linear, convert_to_fp8
+from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
+                      ScalingState)
+from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,
+                      quantize_blockwise, quantize_mx)
+
+__version__ = "0.1.0"
+__all__ = [
+    "E4M3", "E5M2", "FP8Format", "quantize", "dequantize", "quantize_mx", "quantize_blockwise",
+    "amax", "gemm", "linear", "DelayedScaling", "CurrentScaling", "MXFP8Scaling",
+    "BlockwiseScaling", "ScalingState", "FP8Linear", "convert_to_fp8", "backend", "Float8Tensor",
+    "MXTensor", "BlockwiseTensor",
+]

@@ -305,7 +305,7 @@ def _epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-         bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+         bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     alpha = a_scale_inv.float() * b_scale_inv.float()
     return _epilogue((a.float() @ b.float().t()) * alpha, bias, out_dtype)
 

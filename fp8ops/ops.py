@@ -40,6 +40,9 @@ SCHEMAS = {
 for _name, _schema in SCHEMAS.items():
     _lib.define(_name + _schema)
     _lib.impl(_name, getattr(_emulation, _name), "CPU")
+    # Quantization is not differentiable: outputs never carry grad_fn (fp8ops.linear's
+    # autograd.Function supplies the gradients of the FP8 linear layer).
+    _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 # The C++ kernels register themselves for CUDA when the extension loads; any op it does not
 # cover (or every op, when it is not loaded) runs the emulation on CUDA tensors.

@@ -1,0 +1,236 @@
+"""Autograd for the FP8 linear layer: y = x @ W.T + b with FP8 GEMMs in forward and backward.
+
+Hopper FP8 GEMMs take K-major operands only (TN, ops.gemm computes a @ b.T), so:
+  forward  y  = gemm(X,    W)      X [M,K],    W [N,K]
+  dgrad    dX = gemm(dY,   W^T)    dY [M,N],   W^T [K,N]
+  wgrad    dW = gemm(dY^T, X^T)    dY^T [N,M], X^T [K,M]
+Each cast produces the transposed copy it needs in the same pass. Only the FP8 input (X^T) is saved
+for backward; the weight is cast once per optimizer step (ScalingState.cached_weight). Every GEMM
+accumulates in float32. These Functions call only ops (torch.ops.fp8ops.*).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .scaling import ScalingState, current_scale, recipe_formats
+
+_ops = torch.ops.fp8ops
+_F32 = torch.float32
+
+
+def in_recompute() -> bool:
+    """True while activation checkpointing re-runs a forward inside backward: that forward must
+    neither record amax nor step the scales a second time."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def _wgrad_out(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
+    """float32 dW goes into weight.main_grad when the weight has one (returning no .grad),
+    else it is returned in the parameter's dtype."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(dw)
+        return None
+    return dw.to(weight.dtype)
+
+
+def _bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor], needed: bool):
+    if bias is None or not needed:
+        return None
+    return dy2.sum(0, dtype=_F32).to(bias.dtype)
+
+
+def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -t.shape[dim] % multiple
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return torch.nn.functional.pad(t, pad)
+
+
+# ----------------------------------------------------------------------------------------------
+# per-tensor scaling (delayed or current)
+# ----------------------------------------------------------------------------------------------
+class PerTensorLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv, fmts, state,
+                stochastic):
+        fwd, bwd = fmts
+        xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
+        x_scale_inv = torch.reciprocal(x_scale)
+        y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
+        ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
+        ctx.bwd, ctx.state, ctx.stochastic, ctx.x_dtype = bwd, state, stochastic, x2.dtype
+        ctx.mark_non_differentiable(x_amax)
+        return y, x_amax
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias = ctx.saved_tensors
+        state: Optional[ScalingState] = ctx.state
+        dy2 = dy.contiguous()
+        if state is not None and state.delayed:
+            state.grad.update(state.recipe, ctx.bwd)
+            g_scale = state.grad.scale.clone()
+        else:
+            margin = getattr(state.recipe, "margin", 1.0) if state is not None else 1.0
+            g_scale = current_scale(_ops.amax(dy2), ctx.bwd, margin)
+        seed, offset = state.next_rng() if ctx.stochastic else (0, 0)
+        gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, ctx.stochastic,
+                                         seed, offset)
+        if state is not None and state.delayed:
+            state.grad.record(g_amax)
+        g_scale_inv = torch.reciprocal(g_scale)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _ops.gemm(gq, w_data_t, g_scale_inv, w_scale_inv, None, ctx.x_dtype, False)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad_out(weight, _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv, None, _F32,
+                                              False))
+        db = _bias_grad(dy2, bias, ctx.needs_input_grad[2])
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def _no_grad(fn, *args):
+    return fn(*args)
+
+
+@torch.no_grad()
+def _cast_weight(weight, state: Optional[ScalingState], cast):
+    """The FP8 weight: cast once per weight version when there is a state, else every call."""
+    return state.cached_weight(weight, cast) if state is not None else cast(weight)
+
+
+def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
+    fwd, bwd = recipe_formats(recipe)
+    delayed = state is not None and state.delayed
+    live = delayed and not in_recompute()
+
+    def cast_weight(w):
+        if delayed:
+            if live:
+                state.weight.update(recipe, fwd)
+            scale = state.weight.scale.clone()
+        else:
+            scale = current_scale(_ops.amax(w), fwd, recipe.margin, recipe.power_of_two)
+        data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
+        if live:
+            state.weight.record(w_amax)
+        return data, data_t, torch.reciprocal(scale)
+
+    w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight)
+    if delayed:
+        if live:
+            state.input.update(recipe, fwd)
+        x_scale = state.input.scale.clone()
+    else:
+        x_scale = _no_grad(current_scale, _ops.amax(x2), fwd, recipe.margin, recipe.power_of_two)
+    stochastic = recipe.grad_rounding == "stochastic"
+    if stochastic and state is None:
+        raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
+                         "carry the random seed and offset")
+    y, x_amax = PerTensorLinear.apply(x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv,
+                                      (fwd, bwd), state, stochastic)
+    if live:
+        state.input.record(x_amax)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP8: 32-element E8M0 blocks along K; the backward GEMMs need copies blocked along the other
+# axis. Dimensions are zero-padded to the block (zeros change neither amax nor the products).
+# ----------------------------------------------------------------------------------------------
+class MXLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, w_row, w_col_t, recipe):
+        fwd, bwd = recipe_formats(recipe)
+        bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
+        M, K = x2.shape
+        N = weight.shape[0]
+        xp = _pad(_pad(x2, 1, bs), 0, bs)  # [Mp, Kp]
+        x_data, x_scales = _ops.quantize_mx(xp[:M], fwd.dtype, bs, 1, rceil)
+        bias_p = None if bias is None else _pad(bias, 0, bs)
+        y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, x2.dtype, bs)[:, :N]
+        xc_data, xc_scales = _ops.quantize_mx(xp, fwd.dtype, bs, 0, rceil)  # blocked along M
+        ctx.save_for_backward(xc_data.t(), xc_scales.t(), w_col_t[0], w_col_t[1], weight, bias)
+        ctx.meta = (bwd, bs, rceil, M, K, N, x2.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc_t, xc_t_scales, w_col_t, w_col_t_scales, weight, bias = ctx.saved_tensors
+        bwd, bs, rceil, M, K, N, x_dtype = ctx.meta
+        dyp = _pad(_pad(dy.contiguous(), 1, bs), 0, bs)  # [Mp, Np]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g_data, g_scales = _ops.quantize_mx(dyp[:M], bwd.dtype, bs, 1, rceil)
+            dx = _ops.gemm_mx(g_data, g_scales, w_col_t, w_col_t_scales, None, x_dtype,
+                              bs)[:, :K]
+        if ctx.needs_input_grad[1]:
+            gc_data, gc_scales = _ops.quantize_mx(dyp, bwd.dtype, bs, 0, rceil)
+            dw = _ops.gemm_mx(gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, _F32,
+                              bs)[:N, :K]
+            dw = _wgrad_out(weight, dw)
+        return dx, dw, _bias_grad(dy, bias, ctx.needs_input_grad[2]), None, None, None
+
+
+def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
+    fwd, _ = recipe_formats(recipe)
+    bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
+
+    def cast_weight(w):
+        wp = _pad(_pad(w, 1, bs), 0, bs)  # [Np, Kp]
+        row = _ops.quantize_mx(wp, fwd.dtype, bs, 1, rceil)
+        col = _ops.quantize_mx(wp, fwd.dtype, bs, 0, rceil)  # blocked along N, for dgrad
+        return row, (col[0].t(), col[1].t())
+
+    w_row, w_col_t = _cast_weight(weight, state, cast_weight)
+    return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blockwise (DeepSeek-V3): activations and gradients 1x128, weights 128x128.
+# ----------------------------------------------------------------------------------------------
+class BlockwiseLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe):
+        fwd, bwd = recipe_formats(recipe)
+        p2 = recipe.power_of_two
+        x_data, x_scale_inv = _ops.quantize_blockwise(x2, fwd.dtype, 1, 128, p2)
+        y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
+        xt_data, xt_scale_inv = _ops.quantize_blockwise(x2.t(), fwd.dtype, 1, 128, p2)
+        ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)
+        ctx.meta = (bwd, p2, x2.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xt_data, xt_scale_inv, w_data_t, w_t_scale_inv, weight, bias = ctx.saved_tensors
+        bwd, p2, x_dtype = ctx.meta
+        dy2 = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g_data, g_scale_inv = _ops.quantize_blockwise(dy2, bwd.dtype, 1, 128, p2)
+            dx = _ops.gemm_blockwise(g_data, w_data_t, g_scale_inv, w_t_scale_inv, None,
+                                     x_dtype)
+        if ctx.needs_input_grad[1]:
+            gt_data, gt_scale_inv = _ops.quantize_blockwise(dy2.t(), bwd.dtype, 1, 128, p2)
+            dw = _wgrad_out(weight, _ops.gemm_blockwise(gt_data, xt_data, gt_scale_inv,
+                                                        xt_scale_inv, None, _F32))
+        return dx, dw, _bias_grad(dy2, bias, ctx.needs_input_grad[2]), None, None, None, None
+
+
+def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
+    fwd, _ = recipe_formats(recipe)
+
+    def cast_weight(w):
+        data, scale_inv = _ops.quantize_blockwise(w, fwd.dtype, 128, 128, recipe.power_of_two)
+        return data, scale_inv, data.t().contiguous()
+
+    w_data, w_scale_inv, w_data_t = _cast_weight(weight, state, cast_weight)
+    return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe)

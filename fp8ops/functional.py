@@ -1,0 +1,65 @@
+"""fp8ops.linear(): the FP8 linear layer as a function (autograd included)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .autograd import linear_blockwise, linear_mx, linear_per_tensor
+from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
+                      ScalingState, check_recipe)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(input, weight, bias):
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape "
+                         f"{tuple(weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input's last dimension must be in_features={weight.shape[1]}, got "
+                         f"input shape {tuple(input.shape)}")
+    if input.device != weight.device:
+        raise ValueError(f"input is on {input.device} but weight is on {weight.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be a tensor of shape ({weight.shape[0]},), got "
+                             f"{getattr(bias, 'shape', type(bias).__name__)}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           recipe=None, state: Optional[ScalingState] = None) -> torch.Tensor:
+    """y = input @ weight.T + bias with FP8 GEMMs in forward and backward.
+
+    input [..., in_features], weight [out_features, in_features]; the output has input's dtype.
+    recipe=None means current per-tensor scaling (or the state's recipe when a state is given).
+    DelayedScaling needs `state` (fp8ops.ScalingState(recipe)), which holds the amax history;
+    a state also caches the FP8 weight between optimizer steps and carries the random stream
+    of stochastic rounding."""
+    _check(input, weight, bias)
+    if state is not None:
+        if not isinstance(state, ScalingState):
+            raise TypeError(f"state must be an fp8ops.ScalingState, got {type(state).__name__}")
+        if recipe is not None and recipe != state.recipe:
+            raise ValueError(f"recipe {recipe} differs from the state's recipe {state.recipe}")
+        recipe = state.recipe
+    recipe = check_recipe(recipe)
+    if isinstance(recipe, DelayedScaling) and state is None:
+        raise ValueError("DelayedScaling keeps an amax history: pass state=fp8ops.ScalingState("
+                         "recipe) (FP8Linear does this for you)")
+    lead = input.shape[:-1]
+    x2 = input.reshape(-1, weight.shape[1])
+    if isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        y = linear_per_tensor(x2, weight, bias, recipe, state)
+    elif isinstance(recipe, MXFP8Scaling):
+        y = linear_mx(x2, weight, bias, recipe, state)
+    elif isinstance(recipe, BlockwiseScaling):
+        y = linear_blockwise(x2, weight, bias, recipe, state)
+    return y.reshape(*lead, weight.shape[0])

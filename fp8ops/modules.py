@@ -1,0 +1,58 @@
+"""FP8Linear and convert_to_fp8()."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .functional import linear
+from .scaling import ScalingState, check_recipe
+
+
+class FP8Linear(nn.Linear):
+    """nn.Linear whose three GEMMs run in FP8. Parameters, initialization and state_dict keys
+    are nn.Linear's; the FP8 state (amax histories, scales, RNG offset) is in `fp8_state`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = check_recipe(recipe)
+        state_device = None if device is None or torch.device(device).type == "meta" else device
+        self.fp8_state = ScalingState(self.recipe, device=state_device)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias, state=self.fp8_state)
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe=None) -> "FP8Linear":
+        """An FP8Linear sharing mod's weight and bias Parameters."""
+        new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, recipe=recipe,
+                  device="meta")
+        new.weight = mod.weight
+        new.bias = mod.bias
+        new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def convert_to_fp8(module: nn.Module, recipe=None,
+                   filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+    """Replace every nn.Linear in `module` (in place; `module` itself too) by an FP8Linear that
+    shares its parameters. filter_fn(linear, fully_qualified_name) -> bool picks which ones."""
+    check_recipe(recipe)
+
+    def wanted(mod, fqn):
+        return (isinstance(mod, nn.Linear) and not isinstance(mod, FP8Linear)
+                and (filter_fn is None or filter_fn(mod, fqn)))
+
+    if wanted(module, ""):
+        return FP8Linear.from_linear(module, recipe)
+    for fqn, mod in list(module.named_modules()):
+        for name, child in list(mod.named_children()):
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if wanted(child, child_fqn):
+                setattr(mod, name, FP8Linear.from_linear(child, recipe))
+    return module

@@ -1,0 +1,240 @@
+"""Scaling recipes (frozen dataclasses) and ScalingState (delayed-scaling buffers, on device).
+
+Delayed scaling, per scaled tensor ("role": input, weight, grad):
+  update()  once before each cast: step += 1; every `interval` steps the pending amax enters the
+            history (slot 0), the representative amax is computed by `amax_compute_algo` and
+            scale = max / (amax * margin). One op, no host sync (ops.delayed_scale_update).
+  record()  after the cast: pending = max(pending, amax of the cast input); a non-finite amax is
+            counted in `nonfinite_count` and never enters the history.
+Under torch.distributed the pending amax is all-reduced (MAX) over the recipe's process group in
+update(), so every rank holds identical scales.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._emulation import scale_from_amax
+from .formats import get_format
+
+AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
+MAX_HISTORY = 1024  # the CUDA scale-update kernel sorts the history in one block
+
+
+def _check_fmt(name, value):
+    get_format(value)  # raises ValueError naming the bad format
+
+
+def _check_rounding(value):
+    if value not in ("nearest", "stochastic"):
+        raise ValueError(f"grad_rounding must be 'nearest' or 'stochastic', got {value!r}")
+
+
+def _check_margin(margin):
+    if not (margin > 0 and margin != float("inf")):
+        raise ValueError(f"margin must be a positive finite factor (1.0 = none), got {margin}")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Per-tensor scales from an amax history (Transformer Engine style), updated on device."""
+
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: float = 1.0
+    interval: int = 1
+    fwd_fmt: str = "e4m3"
+    bwd_fmt: str = "e5m2"
+    power_of_two: bool = False
+    ema_alpha: float = 0.1
+    percentile: float = 99.0
+    grad_rounding: str = "nearest"
+    seed: int = 0
+    process_group: Any = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if not 1 <= self.amax_history_len <= MAX_HISTORY:
+            raise ValueError(f"amax_history_len must be in [1, {MAX_HISTORY}], "
+                             f"got {self.amax_history_len}")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"amax_compute_algo must be one of {AMAX_ALGOS}, "
+                             f"got {self.amax_compute_algo!r}")
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {self.interval}")
+        if not 0 < self.ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        _check_margin(self.margin)
+        _check_fmt("fwd_fmt", self.fwd_fmt)
+        _check_fmt("bwd_fmt", self.bwd_fmt)
+        _check_rounding(self.grad_rounding)
+
+
+@dataclass(frozen=True)
+class CurrentScaling:
+    """Per-tensor scales from the tensor being cast (one amax pass, then the cast)."""
+
+    margin: float = 1.0
+    fwd_fmt: str = "e4m3"
+    bwd_fmt: str = "e5m2"
+    power_of_two: bool = False
+    grad_rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+        _check_fmt("fwd_fmt", self.fwd_fmt)
+        _check_fmt("bwd_fmt", self.bwd_fmt)
+        _check_rounding(self.grad_rounding)
+
+
+@dataclass(frozen=True)
+class MXFP8Scaling:
+    """MXFP8: E8M0 scale per 32 elements along K, row-wise and column-wise copies.
+    Block scales cover the range, so gradients default to E4M3 too (as Transformer Engine)."""
+
+    fwd_fmt: str = "e4m3"
+    bwd_fmt: str = "e4m3"
+    block_size: int = 32
+    scale_mode: str = "floor"
+
+    def __post_init__(self):
+        _check_fmt("fwd_fmt", self.fwd_fmt)
+        _check_fmt("bwd_fmt", self.bwd_fmt)
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.scale_mode not in ("floor", "rceil"):
+            raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {self.scale_mode!r}")
+
+
+@dataclass(frozen=True)
+class BlockwiseScaling:
+    """DeepSeek-V3 style: activations and gradients 1x128, weights 128x128, float32 scales."""
+
+    fwd_fmt: str = "e4m3"
+    bwd_fmt: str = "e4m3"
+    power_of_two: bool = False
+
+    def __post_init__(self):
+        _check_fmt("fwd_fmt", self.fwd_fmt)
+        _check_fmt("bwd_fmt", self.bwd_fmt)
+
+
+Recipe = (DelayedScaling, CurrentScaling, MXFP8Scaling, BlockwiseScaling)
+
+
+def check_recipe(recipe):
+    if recipe is None:
+        return CurrentScaling()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be one of DelayedScaling, CurrentScaling, MXFP8Scaling, "
+                        f"BlockwiseScaling or None, got {type(recipe).__name__}")
+    return recipe
+
+
+def current_scale(amax: torch.Tensor, fmt, margin: float = 1.0,
+                  power_of_two: bool = False) -> torch.Tensor:
+    """scale = max / (amax * margin), 1.0 when amax is 0 or not finite (on device, no sync)."""
+    fmt = get_format(fmt)
+    return scale_from_amax(amax, torch.ones_like(amax), fmt.max, margin, power_of_two)
+
+
+class RoleState(nn.Module):
+    """Delayed-scaling buffers of one scaled tensor. All updates are in place, on device."""
+
+    def __init__(self, history_len: int, device=None):
+        super().__init__()
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("amax_history", torch.zeros(history_len, **f32))
+        self.register_buffer("scale", torch.ones((), **f32))
+        self.register_buffer("scale_inv", torch.ones((), **f32))
+        self.register_buffer("amax_rep", torch.zeros((), **f32))
+        self.register_buffer("pending_amax", torch.zeros((), **f32))
+        self.register_buffer("step", torch.zeros((), **i64))
+        self.register_buffer("nonfinite_count", torch.zeros((), **i64))
+
+    @torch.no_grad()
+    def update(self, recipe: DelayedScaling, fmt) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(self.pending_amax, torch.distributed.ReduceOp.MAX,
+                                         group=recipe.process_group)
+        self.step.add_(1)
+        outs = torch.ops.fp8ops.delayed_scale_update(
+            self.amax_history, self.scale, self.amax_rep, self.pending_amax, self.step,
+            get_format(fmt).max, recipe.margin, recipe.interval, recipe.amax_compute_algo,
+            recipe.ema_alpha, recipe.percentile, recipe.power_of_two)
+        for buf, new in zip((self.amax_history, self.scale, self.scale_inv, self.amax_rep,
+                             self.pending_amax), outs):
+            buf.copy_(new)
+
+    @torch.no_grad()
+    def record(self, amax: torch.Tensor) -> None:
+        finite = torch.isfinite(amax)
+        self.pending_amax.copy_(torch.where(finite, torch.maximum(self.pending_amax, amax),
+                                            self.pending_amax))
+        self.nonfinite_count.add_((~finite).to(torch.int64))
+
+
+class ScalingState(nn.Module):
+    """The FP8 state of one linear layer, for any recipe: delayed-scaling buffers (a RoleState for
+    input, weight and grad; DelayedScaling only), the Philox seed/offset for stochastic gradient
+    rounding, and the cached FP8 weight (cast once per optimizer step: reused while the weight's
+    storage and version are unchanged). The buffers and the offset round-trip through state_dict;
+    the weight cache is not saved (it is rebuilt from the weight)."""
+
+    ROLES = ("input", "weight", "grad")
+
+    def __init__(self, recipe=None, device=None):
+        super().__init__()
+        self.recipe = check_recipe(recipe)
+        if isinstance(self.recipe, DelayedScaling):
+            n = self.recipe.amax_history_len
+            self.input = RoleState(n, device)
+            self.weight = RoleState(n, device)
+            self.grad = RoleState(n, device)
+        self.rng_seed = int(getattr(self.recipe, "seed", 0))
+        self.rng_offset = 0
+        self._weight_cache = None  # (key, quantized weight)
+
+    @property
+    def delayed(self) -> bool:
+        return isinstance(self.recipe, DelayedScaling)
+
+    def next_rng(self):
+        """(seed, offset) for one stochastic cast; the offset advances by one per cast (the
+        element index fills the low counter words, so streams never overlap)."""
+        offset = self.rng_offset
+        self.rng_offset += 1
+        return self.rng_seed, offset
+
+    def cached_weight(self, weight: torch.Tensor, cast):
+        """cast(weight) once per weight version; skipped under torch.compile (no version there)."""
+        if torch.compiler.is_compiling():
+            return cast(weight)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.device)
+        if self._weight_cache is None or self._weight_cache[0] != key:
+            self._weight_cache = (key, cast(weight))
+        return self._weight_cache[1]
+
+    def get_extra_state(self):
+        return {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
+
+    def set_extra_state(self, extra):
+        self.rng_seed, self.rng_offset = int(extra["rng_seed"]), int(extra["rng_offset"])
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._weight_cache = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe}"
+
+
+def recipe_formats(recipe):
+    return get_format(recipe.fwd_fmt), get_format(recipe.bwd_fmt)
+
