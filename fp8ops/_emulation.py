@@ -121,15 +121,16 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     fmt = get_format(dtype)
     y = x.float() * scale.float()
     data = _stochastic_fp8(y, fmt, seed, offset) if stochastic else _rne_fp8(y, fmt)
+    data = data.contiguous()
     if transpose:
-        data_t = _as_2d(data).t().contiguous()
+        data_t = _as_2d(data).t().clone(memory_format=torch.contiguous_format)
     else:
         data_t = data.new_empty((0,))
     return data, data_t, _abs_max(x)
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale_inv.float()).to(out_dtype)
+    return (data.float() * scale_inv.float()).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,14 +222,14 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, blo
     y = x2 * _expand_tiles(scale, block_rows, block_cols, R, C)
     bad = _expand_tiles(~torch.isfinite(amax_b), block_rows, block_cols, R, C)
     y = torch.where(bad, float("nan"), y)
-    return _rne_fp8(y, fmt).reshape(x.shape), scale_inv
+    return _rne_fp8(y, fmt).reshape(x.shape).contiguous(), scale_inv
 
 
 def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
                          block_cols: int, out_dtype: torch.dtype) -> torch.Tensor:
     d2 = _as_2d(data.float())
     s = _expand_tiles(scale_inv, block_rows, block_cols, *d2.shape)
-    return (d2 * s).to(out_dtype).reshape(data.shape)
+    return (d2 * s).to(out_dtype).reshape(data.shape).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------

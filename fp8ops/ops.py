@@ -37,9 +37,17 @@ SCHEMAS = {
                "ScalarType out_dtype, int block_size) -> Tensor",
 }
 
+
+
+def _emulated(name):
+    """The emulation kernel of an op. It runs under no_grad: below the (fallthrough) Autograd
+    key its torch calls must not record a graph on inputs that require grad."""
+    return torch.no_grad()(getattr(_emulation, name))
+
+
 for _name, _schema in SCHEMAS.items():
     _lib.define(_name + _schema)
-    _lib.impl(_name, getattr(_emulation, _name), "CPU")
+    _lib.impl(_name, _emulated(_name), "CPU")
     # Quantization is not differentiable: outputs never carry grad_fn (fp8ops.linear's
     # autograd.Function supplies the gradients of the FP8 linear layer).
     _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
@@ -49,7 +57,7 @@ for _name, _schema in SCHEMAS.items():
 _backend.load_extension()
 for _name in SCHEMAS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
-        _lib.impl(_name, getattr(_emulation, _name), "CUDA")
+        _lib.impl(_name, _emulated(_name), "CUDA")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,36 +84,36 @@ def _(x):
 def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0):
     rows, cols = _rows_cols(x)
     data_t = x.new_empty((cols, rows) if transpose else (0,), dtype=dtype)
-    return torch.empty_like(x, dtype=dtype), data_t, _scalar_f32(x)
+    return x.new_empty(x.shape, dtype=dtype), data_t, _scalar_f32(x)
 
 
 @torch.library.register_fake("fp8ops::dequantize")
 def _(data, scale_inv, out_dtype):
-    return torch.empty_like(data, dtype=out_dtype)
+    return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @torch.library.register_fake("fp8ops::quantize_mx")
 def _(x, dtype, block_size, axis, rceil):
     shape = list(x.shape)
     shape[axis] = shape[axis] // block_size
-    return torch.empty_like(x, dtype=dtype), x.new_empty(shape, dtype=torch.uint8)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(shape, dtype=torch.uint8)
 
 
 @torch.library.register_fake("fp8ops::dequantize_mx")
 def _(data, scales, block_size, axis, out_dtype):
-    return torch.empty_like(data, dtype=out_dtype)
+    return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @torch.library.register_fake("fp8ops::quantize_blockwise")
 def _(x, dtype, block_rows, block_cols, power_of_two):
     rows, cols = _rows_cols(x)
     shape = ((rows + block_rows - 1) // block_rows, (cols + block_cols - 1) // block_cols)
-    return torch.empty_like(x, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("fp8ops::dequantize_blockwise")
 def _(data, scale_inv, block_rows, block_cols, out_dtype):
-    return torch.empty_like(data, dtype=out_dtype)
+    return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @torch.library.register_fake("fp8ops::delayed_scale_update")
