@@ -66,6 +66,8 @@ def backend(device: Optional[torch.device | str | int] = None) -> Backend:
         return Backend("emulation", f"device {device} is not a CUDA GPU")
     if force_emulation():
         return Backend("emulation", "FP8OPS_FORCE_EMULATION=1")
+    if not torch.cuda.is_available():
+        return Backend("emulation", "CUDA is not available in this torch / on this machine")
     cc = torch.cuda.get_device_capability(device)
     if cc < MIN_CC:
         return Backend("emulation", f"compute capability {cc[0]}.{cc[1]} has no FP8 tensor cores")

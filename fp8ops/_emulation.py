@@ -6,6 +6,7 @@ torch's version-dependent overflow never matters), round to nearest even, NaN wr
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -51,8 +52,10 @@ def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
-    cols = x.shape[-1] if x.dim() > 0 else 1
-    return x.reshape(-1, cols)
+    """[rows, last dim] view (rows = product of the leading dims; 0-d counts as [1, 1])."""
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
     e = mx_exponent(amax_b, fmt, rceil)
     y = xb * _exp2_f32(-e).unsqueeze(-1)
     y = torch.where(bad.unsqueeze(-1), torch.full_like(y, float("nan")), y)
-    data = _rne_fp8(y, fmt).reshape(*xb.shape[:-2], -1).movedim(-1, axis)
+    data = _rne_fp8(y, fmt).reshape(*xb.shape[:-2], xb.shape[-2] * block_size).movedim(-1, axis)
     scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8).movedim(-1, axis)
     return data.contiguous(), scales.contiguous()
 
@@ -178,7 +181,8 @@ def dequantize_mx(data: torch.Tensor, scales: torch.Tensor, block_size: int, axi
     axis = axis % data.dim()
     xb = _blocks_last(data.float(), block_size, axis)
     s = e8m0_to_float(scales).movedim(axis, -1).unsqueeze(-1)
-    return (xb * s).reshape(*xb.shape[:-2], -1).movedim(-1, axis).to(out_dtype).contiguous()
+    flat = (xb * s).reshape(*xb.shape[:-2], xb.shape[-2] * block_size)
+    return flat.movedim(-1, axis).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._emulation import scale_from_amax
 from .formats import get_format
@@ -180,6 +181,16 @@ class RoleState(nn.Module):
         self.nonfinite_count.add_((~finite).to(torch.int64))
 
 
+_OPTIMIZER_STEPS = [0]  # torch.optim steps taken in this process (invalidates weight caches)
+
+
+def _count_optimizer_step(optimizer, args, kwargs):
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class ScalingState(nn.Module):
     """The FP8 state of one linear layer, for any recipe: delayed-scaling buffers (a RoleState for
     input, weight and grad; DelayedScaling only), the Philox seed/offset for stochastic gradient
@@ -213,10 +224,14 @@ class ScalingState(nn.Module):
         return self.rng_seed, offset
 
     def cached_weight(self, weight: torch.Tensor, cast):
-        """cast(weight) once per weight version; skipped under torch.compile (no version there)."""
+        """cast(weight) once per weight version and optimizer step; skipped under torch.compile
+        (no version there). The optimizer-step count is in the key because writers that bypass
+        the version counter exist: FSDP2 all-gathers the updated weight into the same unsharded
+        storage under _unsafe_preserve_version_counter (data_ptr and _version then repeat)."""
         if torch.compiler.is_compiling():
             return cast(weight)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.device)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.device,
+               _OPTIMIZER_STEPS[0])
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = (key, cast(weight))
         return self._weight_cache[1]

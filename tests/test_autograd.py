@@ -1,0 +1,116 @@
+"""Training semantics of the FP8 linear autograd (DESIGN.md section 7)."""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import fp8ops
+
+
+class OpLog(TorchDispatchMode):
+    """Records every fp8ops op call with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fp8ops":
+            self.calls.append((func._opname, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_hybrid_formats_and_three_fp8_gemms():
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    x = torch.randn(8, 32, requires_grad=True)
+    with OpLog() as log:
+        fp8ops.linear(x, w).sum().backward()
+    casts = [args[2] for name, args in log.calls if name == "quantize"]
+    assert casts == [torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2]  # W, X, dY
+    gemms = [(args[0].dtype, args[1].dtype, args[5]) for name, args in log.calls if name == "gemm"]
+    assert gemms == [(torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32),  # fwd
+                     (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32),  # dgrad
+                     (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32)]  # wgrad (fp32 out)
+
+
+def test_saves_fp8_input_not_high_precision():
+    w = torch.nn.Parameter(torch.randn(64, 256))
+    x = torch.randn(128, 256, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fp8ops.linear(x, w)
+    big = [t for t in saved if t.numel() == x.numel()]
+    assert big and all(t.dtype == torch.float8_e4m3fn for t in big)
+    assert not any(t is x for t in saved)
+
+
+def test_weight_cast_once_per_optimizer_step():
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling())
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for step in range(3):
+        with OpLog() as log:
+            for _ in range(4):  # four microbatches, one optimizer step
+                lin(torch.randn(8, 32)).sum().backward()
+        weight_casts = [a for n, a in log.calls if n == "quantize" and a[0] is lin.weight]
+        assert len(weight_casts) == 1, step
+        assert lin.fp8_state.weight.step.item() == step + 1
+        assert lin.fp8_state.input.step.item() == 4 * (step + 1)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_activation_checkpointing_records_amax_once():
+    def run(use_ckpt):
+        torch.manual_seed(0)
+        lin = fp8ops.FP8Linear(32, 32, recipe=fp8ops.DelayedScaling(amax_history_len=4))
+        for i in range(3):
+            x = torch.randn(8, 32, requires_grad=True) * (i + 1)
+            y = checkpoint(lin, x, use_reentrant=False) if use_ckpt else lin(x)
+            y.pow(2).sum().backward()
+        return lin
+
+    plain, ckpt = run(False), run(True)
+    for (k, a), (_, b) in zip(plain.state_dict().items(), ckpt.state_dict().items()):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, k
+    assert torch.equal(plain.weight.grad, ckpt.weight.grad)
+    assert ckpt.fp8_state.input.step.item() == 3
+
+
+def test_main_grad_accumulation():
+    w = torch.nn.Parameter(torch.randn(16, 32, dtype=torch.bfloat16))
+    w.main_grad = torch.zeros(16, 32, dtype=torch.float32)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    fp8ops.linear(x, w).float().sum().backward()
+    first = w.main_grad.clone()
+    fp8ops.linear(x, w).float().sum().backward()
+    assert w.grad is None
+    assert first.abs().sum() > 0 and torch.equal(w.main_grad, 2 * first)
+
+
+def test_grad_of_input_only_and_weight_only():
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.no_grad():
+        assert not fp8ops.linear(x, w).requires_grad
+    w.requires_grad_(False)
+    fp8ops.linear(x, w).sum().backward()
+    assert x.grad is not None and w.grad is None
+    w.requires_grad_(True)
+    x2 = torch.randn(8, 32)
+    fp8ops.linear(x2, w).sum().backward()
+    assert w.grad is not None
+
+
+def test_stochastic_grad_rounding_advances_offset():
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.CurrentScaling(grad_rounding="stochastic", seed=3))
+    x, dy = torch.randn(8, 32), torch.randn(8, 16)  # dy not exactly representable: rounding shows
+    lin(x).backward(dy)
+    g1 = lin.weight.grad.clone()
+    lin.zero_grad()
+    lin(x).backward(dy)
+    assert lin.fp8_state.rng_offset == 2
+    assert not torch.equal(g1, lin.weight.grad)  # a new random stream for the second step

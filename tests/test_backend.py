@@ -1,0 +1,44 @@
+"""fp8ops.backend(): which implementation runs where, and why (DESIGN.md section 8)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fp8ops
+from conftest import has_fp8_gpu
+
+
+def test_cpu_is_emulation_with_a_reason():
+    b = fp8ops.backend("cpu")
+    assert b == "emulation" and isinstance(b, str) and "not a CUDA GPU" in b.reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_cuda_without_gpu_is_emulation():
+    b = fp8ops.backend("cuda")
+    assert b == "emulation" and "not available" in b.reason
+    assert fp8ops.backend() == "emulation"
+
+
+def test_force_emulation_env():
+    code = ("import fp8ops, torch; b = fp8ops.backend(torch.device('cuda', 0)); "
+            "print(b, '|', b.reason, '|', fp8ops._backend.extension_loaded())")
+    env = dict(os.environ, FP8OPS_FORCE_EMULATION="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "emulation | FP8OPS_FORCE_EMULATION=1 | False"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_fp8_gpu(), reason="needs a CUDA GPU with FP8 (sm_89+)")
+def test_gpu_backend_names_the_kernels():
+    b = fp8ops.backend()
+    cc = torch.cuda.get_device_capability()
+    if not fp8ops._backend.extension_loaded():
+        assert b == "emulation" and "not built" in b.reason
+    elif cc == (9, 0):
+        assert b == "cutlass_sm90", b.reason
+    else:
+        assert b == "scaled_mm", b.reason

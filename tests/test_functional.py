@@ -1,0 +1,106 @@
+"""fp8ops.linear(): accuracy against a float64 reference, shapes, dtypes and argument checks."""
+import pytest
+import torch
+
+import fp8ops
+
+RECIPES = {
+    "current": fp8ops.CurrentScaling(),
+    "delayed": fp8ops.DelayedScaling(amax_history_len=4),
+    "mxfp8": fp8ops.MXFP8Scaling(),
+    "mxfp8_rceil": fp8ops.MXFP8Scaling(scale_mode="rceil"),
+    "blockwise": fp8ops.BlockwiseScaling(),
+    "stochastic": fp8ops.CurrentScaling(grad_rounding="stochastic"),
+}
+
+
+def sqnr(a, b):
+    return (10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum())).item()
+
+
+def _run(recipe, shape_in, n_out, dtype=torch.float32, steps=3):
+    """Several steps (so delayed scaling has a history); returns the last step's results and a
+    float64 reference of the same step."""
+    weight = torch.nn.Parameter(torch.randn(n_out, shape_in[-1], dtype=dtype) * 0.05)
+    bias = torch.nn.Parameter(torch.randn(n_out, dtype=dtype))
+    state = fp8ops.ScalingState(recipe)
+    for _ in range(steps):
+        weight.grad = bias.grad = None
+        x = (torch.randn(shape_in) * 3).to(dtype).requires_grad_()
+        y = fp8ops.linear(x, weight, bias, state=state)
+        dy = torch.randn(y.shape, dtype=dtype)
+        y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    y64 = torch.nn.functional.linear(x64, w64, b64)
+    y64.backward(dy.double())
+    return (y, x.grad, weight.grad, bias.grad), (y64, x64.grad, w64.grad, b64.grad)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_sqnr_against_float64(name, dtype):
+    (y, dx, dw, db), (ry, rdx, rdw, rdb) = _run(RECIPES[name], (3, 50, 192), 160, dtype)
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
+    assert y.shape == (3, 50, 160) and dx.shape == (3, 50, 192)
+    assert sqnr(y.double(), ry) >= 18, "output"
+    assert sqnr(dx.double(), rdx) >= 17, "dgrad"
+    assert sqnr(dw.double(), rdw) >= 17, "wgrad"
+    assert sqnr(db.double(), rdb) >= 17, "bias grad"
+
+
+@pytest.mark.parametrize("name", ["current", "delayed", "mxfp8", "blockwise"])
+def test_odd_shapes_and_1d_input(name):
+    # sizes that are not multiples of 16, 32 or 128 exercise the padding paths
+    (y, dx, dw, _), (ry, rdx, rdw, _) = _run(RECIPES[name], (37, 45), 19)
+    assert sqnr(y.double(), ry) >= 18 and sqnr(dw.double(), rdw) >= 17
+    w = torch.randn(7, 45)
+    assert fp8ops.linear(torch.randn(45), w, recipe=RECIPES[name] if name != "delayed" else None,
+                         state=fp8ops.ScalingState(RECIPES[name])).shape == (7,)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_zero_size_forward_and_backward(name):
+    w = torch.nn.Parameter(torch.randn(24, 64))
+    b = torch.nn.Parameter(torch.randn(24))
+    x = torch.randn(0, 5, 64, requires_grad=True)
+    y = fp8ops.linear(x, w, b, state=fp8ops.ScalingState(RECIPES[name]))
+    assert y.shape == (0, 5, 24)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_nan_input_propagates_and_is_counted():
+    st = fp8ops.ScalingState(fp8ops.DelayedScaling())
+    w = torch.randn(8, 32)
+    x = torch.randn(4, 32)
+    x[1, 3] = float("nan")
+    y = fp8ops.linear(x, w, state=st)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
+    assert st.input.nonfinite_count.item() == 1 and st.input.pending_amax.item() == 0.0
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 9)), ValueError, "in_features=9"),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(8)), ValueError, "2-D"),
+    (lambda: fp8ops.linear(torch.randn(4, 8).long(), torch.randn(3, 8)), TypeError, "input must"),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 8), torch.randn(4)), ValueError,
+     r"bias must be a tensor of shape \(3,\)"),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 8), recipe="fp8"), TypeError,
+     "recipe must be"),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 8), recipe=fp8ops.DelayedScaling()),
+     ValueError, "pass state="),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 8),
+                           recipe=fp8ops.CurrentScaling(grad_rounding="stochastic")),
+     ValueError, "needs a state"),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 8), recipe=fp8ops.MXFP8Scaling(),
+                           state=fp8ops.ScalingState(fp8ops.CurrentScaling())),
+     ValueError, "differs from the state's recipe"),
+    (lambda: fp8ops.linear(torch.randn(4, 8), torch.randn(3, 8, device="meta")), ValueError,
+     "input is on cpu but weight is on meta"),
+])
+def test_bad_arguments_name_the_problem(call, err, match):
+    with pytest.raises(err, match=match):
+        call()

@@ -1,0 +1,140 @@
+"""Recipes and the delayed-scaling state machine (DESIGN.md sections 3 and 7)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fp8ops
+from fp8ops.scaling import RoleState, current_scale
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: fp8ops.DelayedScaling(amax_history_len=0), "amax_history_len"),
+    (lambda: fp8ops.DelayedScaling(amax_history_len=4096), "amax_history_len"),
+    (lambda: fp8ops.DelayedScaling(amax_compute_algo="mean"), "amax_compute_algo"),
+    (lambda: fp8ops.DelayedScaling(interval=0), "interval"),
+    (lambda: fp8ops.DelayedScaling(margin=0.0), "margin"),
+    (lambda: fp8ops.DelayedScaling(fwd_fmt="e3m4"), "unknown FP8 format"),
+    (lambda: fp8ops.DelayedScaling(percentile=0), "percentile"),
+    (lambda: fp8ops.CurrentScaling(grad_rounding="up"), "grad_rounding"),
+    (lambda: fp8ops.MXFP8Scaling(scale_mode="round"), "scale_mode"),
+    (lambda: fp8ops.BlockwiseScaling(bwd_fmt="int8"), "unknown FP8 format"),
+])
+def test_recipe_validation(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_recipes_are_frozen_and_comparable():
+    r = fp8ops.DelayedScaling(margin=2.0)
+    with pytest.raises(Exception):
+        r.margin = 3.0
+    assert r == fp8ops.DelayedScaling(margin=2.0) and hash(r) == hash(fp8ops.DelayedScaling(margin=2.0))
+
+
+@pytest.mark.parametrize("amax, margin, p2, expected", [
+    (2.0, 1.0, False, 224.0),
+    (3.0, 2.0, False, np.float32(448.0) / np.float32(6.0)),
+    (3.0, 1.0, True, 128.0),  # 149.33 rounds down to a power of two
+    (0.0, 1.0, False, 1.0),
+    (float("inf"), 1.0, False, 1.0),
+    (float("nan"), 1.0, False, 1.0),
+    (1e-45, 1.0, False, FLT_MAX),  # 448 / subnormal overflows: float32 max
+    (3e38, 4.0, False, float(np.finfo(np.float32).tiny)),  # amax * margin overflows
+])
+def test_current_scale_rules(amax, margin, p2, expected):
+    got = current_scale(torch.tensor(amax), "e4m3", margin, p2)
+    assert got.dtype == torch.float32 and got.item() == float(np.float32(expected))
+
+
+def _ref_rep(history, algo, n_updates, ema_prev, alpha=0.1, pct=90.0):
+    if algo == "max":
+        return max(history)
+    if algo == "most_recent":
+        return history[0]
+    if algo == "ema":
+        if n_updates <= 1:
+            return history[0]
+        return float(np.float32(alpha) * np.float32(history[0])
+                     + np.float32(1 - alpha) * np.float32(ema_prev))
+    n = max(1, min(n_updates, len(history)))
+    filled = sorted(history)[len(history) - n:]
+    return filled[max(1, min(len(history), math.ceil(pct / 100 * n))) - 1]
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent", "ema", "percentile"])
+@pytest.mark.parametrize("interval", [1, 3])
+def test_delayed_update_against_python_model(algo, interval):
+    recipe = fp8ops.DelayedScaling(amax_history_len=4, amax_compute_algo=algo, interval=interval,
+                                   margin=1.5, percentile=90.0)
+    role = RoleState(4)
+    hist, rep, pending, scale = [0.0] * 4, 0.0, 0.0, 1.0
+    rng = np.random.default_rng(0)
+    for step in range(1, 15):
+        role.update(recipe, "e4m3")
+        if step % interval == 0:
+            hist = [pending] + hist[:-1]
+            rep = _ref_rep(hist, algo, step // interval, rep)
+            pending = 0.0
+            if rep > 0:
+                scale = float(np.float32(448.0) / (np.float32(rep) * np.float32(1.5)))
+        assert role.amax_history.tolist() == pytest.approx(hist, abs=0), step
+        assert role.amax_rep.item() == pytest.approx(rep, rel=1e-6)
+        assert role.scale.item() == pytest.approx(scale, rel=1e-6)
+        assert role.scale_inv.item() == float(np.float32(1) / np.float32(role.scale.item()))
+        amax = float(np.float32(rng.uniform(0.5, 20)))
+        role.record(torch.tensor(amax))
+        pending = max(pending, amax)
+        assert role.pending_amax.item() == pending
+
+
+def test_nonfinite_amax_never_enters_history_and_is_counted():
+    recipe = fp8ops.DelayedScaling(amax_history_len=3)
+    role = RoleState(3)
+    role.record(torch.tensor(5.0))
+    role.record(torch.tensor(float("inf")))
+    role.record(torch.tensor(float("nan")))
+    assert role.nonfinite_count.item() == 2 and role.pending_amax.item() == 5.0
+    role.update(recipe, "e4m3")
+    assert role.amax_history.tolist() == [5.0, 0.0, 0.0]
+    assert role.scale.item() == float(np.float32(448) / np.float32(5))
+
+
+def test_zero_amax_keeps_the_scale():
+    recipe = fp8ops.DelayedScaling(amax_history_len=1)
+    role = RoleState(1)
+    role.record(torch.tensor(2.0))
+    role.update(recipe, "e5m2")
+    before = role.scale.clone()
+    role.record(torch.tensor(0.0))
+    role.update(recipe, "e5m2")
+    assert torch.equal(role.scale, before) and role.amax_history.item() == 0.0
+
+
+def test_update_needs_no_host_sync():
+    recipe = fp8ops.DelayedScaling(amax_history_len=8, amax_compute_algo="percentile")
+    role = RoleState(8)
+    # torch.compile with fullgraph fails on any .item() / data-dependent branch
+    step = torch.compile(lambda r: r.update(recipe, "e4m3"), fullgraph=True, backend="eager")
+    role.record(torch.tensor(3.0))
+    step(role)
+    assert role.amax_history[0].item() == 3.0
+
+
+def test_scaling_state_state_dict_roundtrip():
+    recipe = fp8ops.DelayedScaling(amax_history_len=5, grad_rounding="stochastic", seed=7)
+    st = fp8ops.ScalingState(recipe)
+    for v in (1.0, 4.0, 2.0):
+        st.input.record(torch.tensor(v))
+        st.input.update(recipe, "e4m3")
+    st.next_rng()
+    sd = st.state_dict()
+    fresh = fp8ops.ScalingState(recipe)
+    fresh.load_state_dict(sd)
+    for (k, a), (k2, b) in zip(st.state_dict().items(), fresh.state_dict().items()):
+        assert k == k2
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), k
+    assert fresh.next_rng() == (7, 1)

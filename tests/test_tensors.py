@@ -1,0 +1,113 @@
+"""The user-facing quantize / dequantize / gemm functions and their argument checks."""
+import math
+
+import pytest
+import torch
+
+import fp8ops
+
+
+def test_quantize_current_scaling_uses_amax_and_margin():
+    x = torch.randn(64, 32) * 7
+    q = fp8ops.quantize(x, "e4m3", margin=2.0)
+    amax = x.abs().max()
+    assert torch.equal(q.scale, torch.tensor(448.0) / (amax * 2.0))
+    assert q.data.dtype == torch.float8_e4m3fn and q.fmt is fp8ops.E4M3
+    assert q.data.float().abs().max().item() <= 224.0  # margin 2 keeps half the range free
+    assert torch.equal(q.scale_inv, torch.reciprocal(q.scale))
+
+
+def test_quantize_roundtrip_and_explicit_scale():
+    x = torch.randn(1000)
+    q = fp8ops.quantize(x, fp8ops.E5M2, scale=4.0)
+    back = fp8ops.dequantize(q, torch.float32)
+    assert q.scale.item() == 4.0 and back.dtype == torch.float32
+    rel = ((back - x).norm() / x.norm()).item()
+    assert 0.01 < rel < 0.1  # two mantissa bits
+
+
+def test_quantize_zero_and_nonfinite_amax_give_scale_one():
+    assert fp8ops.quantize(torch.zeros(8)).scale.item() == 1.0
+    q = fp8ops.quantize(torch.tensor([1.0, float("inf")]))
+    assert q.scale.item() == 1.0 and q.data.float().tolist() == [1.0, 448.0]
+    assert math.isnan(fp8ops.quantize(torch.tensor([float("nan"), 2.0])).data.float()[0].item())
+
+
+def test_quantize_zero_size():
+    q = fp8ops.quantize(torch.empty(0, 16), transpose=True)
+    assert q.data.shape == (0, 16) and q.data_t.shape == (16, 0) and q.scale.item() == 1.0
+
+
+def test_quantize_stochastic_offset_changes_result():
+    x = torch.randn(4096)
+    a = fp8ops.quantize(x, rounding="stochastic", seed=1, offset=0).data.view(torch.uint8)
+    b = fp8ops.quantize(x, rounding="stochastic", seed=1, offset=1).data.view(torch.uint8)
+    assert not torch.equal(a, b)
+
+
+def test_amax_public():
+    assert fp8ops.amax(torch.tensor([-3.0, 2.0], dtype=torch.bfloat16)).item() == 3.0
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: fp8ops.quantize(torch.ones(4), "e3m4"), ValueError, "unknown FP8 format"),
+    (lambda: fp8ops.quantize(torch.ones(4, dtype=torch.int32)), TypeError, "float32, bfloat16"),
+    (lambda: fp8ops.quantize([1.0, 2.0]), TypeError, "torch.Tensor"),
+    (lambda: fp8ops.quantize(torch.ones(4), rounding="up"), ValueError, "rounding"),
+    (lambda: fp8ops.quantize(torch.ones(4), scale=-1.0), ValueError, "positive finite"),
+    (lambda: fp8ops.quantize(torch.ones(4), scale=float("nan")), ValueError, "positive finite"),
+    (lambda: fp8ops.quantize(torch.ones(4), scale=torch.ones(2)), ValueError, "one value"),
+    (lambda: fp8ops.quantize_mx(torch.ones(4, 33)), ValueError, "multiple of block_size 32"),
+    (lambda: fp8ops.quantize_mx(torch.ones(4, 32), axis=2), ValueError, "out of range"),
+    (lambda: fp8ops.quantize_mx(torch.ones(4, 32), scale_mode="ceil"), ValueError, "scale_mode"),
+    (lambda: fp8ops.quantize_blockwise(torch.ones(4, 32), block=(0, 128)), ValueError, "block"),
+    (lambda: fp8ops.dequantize(torch.ones(3)), TypeError, "Float8Tensor"),
+    (lambda: fp8ops.quantize(torch.ones(4)).dequantize(torch.int8), TypeError, "output dtype"),
+])
+def test_bad_arguments_name_the_problem(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_mx_and_blockwise_tensors():
+    x = torch.randn(64, 96)
+    mx = fp8ops.quantize_mx(x, block_size=32, axis=0, scale_mode="rceil")
+    assert mx.axis == 0 and mx.scales.shape == (2, 96) and mx.scales.dtype == torch.uint8
+    assert ((mx.dequantize() - x).norm() / x.norm()).item() < 0.05
+    bw = fp8ops.quantize_blockwise(x, block=(128, 128), power_of_two=True)
+    assert bw.scale_inv.shape == (1, 1)
+    assert math.log2(bw.scale_inv.item()).is_integer()
+    assert ((bw.dequantize(torch.bfloat16).float() - x).norm() / x.norm()).item() < 0.05
+
+
+def _sqnr(a, b):
+    return (10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum())).item()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "mx", "blockwise"])
+def test_gemm_each_kind(kind):
+    a, b, bias = torch.randn(40, 256), torch.randn(24, 256), torch.randn(24)
+    if kind == "tensor":
+        qa, qb = fp8ops.quantize(a), fp8ops.quantize(b, "e5m2")
+    elif kind == "mx":
+        qa, qb = fp8ops.quantize_mx(a), fp8ops.quantize_mx(b)
+    else:
+        qa, qb = fp8ops.quantize_blockwise(a), fp8ops.quantize_blockwise(b, block=(128, 128))
+    out = fp8ops.gemm(qa, qb, out_dtype=torch.float32, bias=bias)
+    ref = a.double() @ b.double().t() + bias.double()
+    assert out.shape == (40, 24) and out.dtype == torch.float32
+    assert _sqnr(out.double(), ref) > 18
+
+
+def test_gemm_checks():
+    qa, qb = fp8ops.quantize(torch.randn(4, 32)), fp8ops.quantize(torch.randn(5, 16))
+    with pytest.raises(ValueError, match="K differs"):
+        fp8ops.gemm(qa, qb)
+    with pytest.raises(TypeError, match="one kind"):
+        fp8ops.gemm(qa, fp8ops.quantize_mx(torch.randn(5, 32)))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        fp8ops.gemm(qa, fp8ops.quantize(torch.randn(5, 32)), bias=torch.ones(4))
+    with pytest.raises(ValueError, match="2-D"):
+        fp8ops.gemm(fp8ops.quantize(torch.randn(2, 4, 32)), qa)
+    with pytest.raises(TypeError, match="output dtype"):
+        fp8ops.gemm(qa, qa, out_dtype=torch.int32)
