@@ -1,0 +1,38 @@
+"""Runs every fp8ops cast op once on small CUDA tensors (odd sizes, misaligned views), for
+compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck."""
+import torch
+
+import fp8ops  # noqa: F401
+from fp8ops import _backend
+
+assert torch.cuda.is_available(), "needs a CUDA GPU"
+assert _backend.extension_loaded(), "fp8ops._C not loaded: " + _backend._state["why_not"]
+ops = torch.ops.fp8ops
+F8 = torch.float8_e4m3fn
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    x = (torch.randn(37, 129, device="cuda") * 10).to(dt)
+    s = torch.tensor(2.0, device="cuda")
+    ops.amax(x)
+    ops.amax(x.reshape(-1)[3:])
+    for stoch in (False, True):
+        for tr in (False, True):
+            q, qt, a = ops.quantize(x, s, F8, tr, stoch, 1, 2)
+            ops.quantize(x.reshape(-1)[5:], s, torch.float8_e5m2, tr, stoch, 1, 2)
+    ops.dequantize(q, s, dt)
+    ops.dequantize(q.reshape(-1)[3:], s, dt)
+    xm = (torch.randn(6, 96, 5, device="cuda")).to(dt)
+    for axis in (-1, 0, 1):
+        if xm.shape[axis] % 32 == 0 or axis == 1:
+            d, sc = ops.quantize_mx(xm, F8, 32, axis, True)
+            ops.dequantize_mx(d, sc, 32, axis, dt)
+    d, sc = ops.quantize_mx(xm.reshape(-1)[1:2881], F8, 32, -1, False)
+    for blk in ((1, 128), (128, 128), (3, 5)):
+        d, si = ops.quantize_blockwise(x, F8, blk[0], blk[1], True)
+        ops.dequantize_blockwise(d, si, blk[0], blk[1], dt)
+for algo in ("max", "most_recent", "ema", "percentile"):
+    for L in (1, 17, 1024):
+        ops.delayed_scale_update(torch.rand(L, device="cuda"), torch.ones(1, device="cuda"),
+                                 torch.tensor(1.0, device="cuda"), torch.tensor(3.0, device="cuda"),
+                                 torch.tensor(4, device="cuda"), 448.0, 1.0, 1, algo, 0.1, 90.0, False)
+torch.cuda.synchronize()
+print("sanitize_ops: all cast ops ran")

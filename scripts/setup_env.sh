@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Make .venv/ with everything fp8ops needs and build fp8ops into it (the CUDA extension too when
+# nvcc is present; FP8OPS_SKIP_CUDA_BUILD=1 skips it). Safe to run again: it only adds what lacks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --disable-pip-version-check "torch==2.14.1" numpy ml_dtypes pytest matplotlib tqdm ninja setuptools wheel
+pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"  # headers only
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+echo "fp8ops: building (MAX_JOBS=$MAX_JOBS; log in build/setup.log)"
+mkdir -p build
+start=$(date +%s)
+if ! pip install --disable-pip-version-check --no-build-isolation --no-deps -e . > build/setup.log 2>&1; then
+  tail -n 60 build/setup.log
+  echo "fp8ops: build failed (full log: build/setup.log)" >&2
+  exit 1
+fi
+echo "fp8ops: built in $(( $(date +%s) - start )) s; extension: $(ls fp8ops/_C*.so 2>/dev/null || echo 'none (pure Python)')"
