@@ -159,6 +159,9 @@ def mx_exponent(amax_block: torch.Tensor, fmt, rceil: bool) -> torch.Tensor:
 
 def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int, rceil: bool):
     fmt = get_format(dtype)
+    if not -x.dim() <= axis < x.dim() or x.shape[axis] % block_size:
+        raise ValueError(f"quantize_mx: axis {axis} must exist and its length must be a multiple "
+                         f"of block_size {block_size}; got shape {tuple(x.shape)}")
     axis = axis % x.dim()
     xb = _blocks_last(x.float(), block_size, axis)
     amax_b = _abs_max(xb, dim=-1)
@@ -203,8 +206,11 @@ def _expand_tiles(s: torch.Tensor, br: int, bc: int, R: int, C: int) -> torch.Te
 def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
     """(scale, scale_inv) per block: scale = max / amax, scale_inv = amax / max, 1 for amax 0."""
     zero, bad = amax_b == 0, ~torch.isfinite(amax_b)
-    scale_inv = amax_b / fmt.max
-    scale = fmt.max / amax_b
+    # tensor / tensor: one correctly rounded division on every device (torch turns a division
+    # by a Python scalar into a multiply by its reciprocal on CUDA)
+    fmax = torch.tensor(fmt.max, dtype=torch.float32, device=amax_b.device)
+    scale_inv = amax_b / fmax
+    scale = fmax / amax_b
     if power_of_two:  # round scale_inv up to a power of two; scale is then its exact inverse
         safe = torch.where(zero | bad, 1.0, scale_inv)
         m, e2 = torch.frexp(safe)
@@ -297,7 +303,7 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     rep = torch.where(do, rep, amax_rep)
     new_scale = torch.where(do, new_scale, scale)
     pending = torch.where(do, torch.zeros_like(pending_amax), pending_amax)
-    return hist, new_scale, 1.0 / new_scale, rep, pending
+    return hist, new_scale, torch.reciprocal(new_scale), rep, pending
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,6 +28,11 @@ def in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _live(state: Optional[ScalingState]) -> bool:
+    """Whether this forward steps and records the delayed-scaling state."""
+    return state is not None and state.delayed and state.recording and not in_recompute()
+
+
 def _wgrad_out(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
     """float32 dW goes into weight.main_grad when the weight has one (returning no .grad),
     else it is returned in the parameter's dtype."""
@@ -74,7 +79,8 @@ class PerTensorLinear(torch.autograd.Function):
         state: Optional[ScalingState] = ctx.state
         dy2 = dy.contiguous()
         if state is not None and state.delayed:
-            state.grad.update(state.recipe, ctx.bwd)
+            if state.recording:
+                state.grad.update(state.recipe, ctx.bwd)
             g_scale = state.grad.scale.clone()
         else:
             margin = getattr(state.recipe, "margin", 1.0) if state is not None else 1.0
@@ -82,8 +88,8 @@ class PerTensorLinear(torch.autograd.Function):
         seed, offset = state.next_rng() if ctx.stochastic else (0, 0)
         gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, ctx.stochastic,
                                          seed, offset)
-        if state is not None and state.delayed:
-            state.grad.record(g_amax)
+        if state is not None and state.delayed and state.recording:
+            state.grad.record(g_amax, state.recipe.process_group)
         g_scale_inv = torch.reciprocal(g_scale)
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -103,24 +109,25 @@ def _no_grad(fn, *args):
 @torch.no_grad()
 def _cast_weight(weight, state: Optional[ScalingState], cast):
     """The FP8 weight: cast once per weight version when there is a state, else every call."""
-    return state.cached_weight(weight, cast) if state is not None else cast(weight)
+    return state.cached_weight(weight, cast) if state is not None else cast(weight, True)
 
 
 def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, bwd = recipe_formats(recipe)
     delayed = state is not None and state.delayed
-    live = delayed and not in_recompute()
+    live = _live(state)
 
-    def cast_weight(w):
+    def cast_weight(w, new_values=True):
+        step_weight = live and new_values
         if delayed:
-            if live:
+            if step_weight:
                 state.weight.update(recipe, fwd)
             scale = state.weight.scale.clone()
         else:
             scale = current_scale(_ops.amax(w), fwd, recipe.margin, recipe.power_of_two)
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
-        if live:
-            state.weight.record(w_amax)
+        if step_weight:
+            state.weight.record(w_amax, recipe.process_group)
         return data, data_t, torch.reciprocal(scale)
 
     w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight)
@@ -137,7 +144,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
     y, x_amax = PerTensorLinear.apply(x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv,
                                       (fwd, bwd), state, stochastic)
     if live:
-        state.input.record(x_amax)
+        state.input.record(x_amax, recipe.process_group)
     return y
 
 
@@ -183,7 +190,7 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, _ = recipe_formats(recipe)
     bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
 
-    def cast_weight(w):
+    def cast_weight(w, new_values=True):
         wp = _pad(_pad(w, 1, bs), 0, bs)  # [Np, Kp]
         row = _ops.quantize_mx(wp, fwd.dtype, bs, 1, rceil)
         col = _ops.quantize_mx(wp, fwd.dtype, bs, 0, rceil)  # blocked along N, for dgrad
@@ -228,7 +235,7 @@ class BlockwiseLinear(torch.autograd.Function):
 def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, _ = recipe_formats(recipe)
 
-    def cast_weight(w):
+    def cast_weight(w, new_values=True):
         data, scale_inv = _ops.quantize_blockwise(w, fwd.dtype, 128, 128, recipe.power_of_two)
         return data, scale_inv, data.t().contiguous()
 

@@ -22,6 +22,8 @@ class FP8Linear(nn.Linear):
         self.fp8_state = ScalingState(self.recipe, device=state_device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # eval mode uses the scales as trained and records nothing (no amax, no step)
+        self.fp8_state.recording = self.training
         return linear(input, self.weight, self.bias, state=self.fp8_state)
 
     @classmethod

@@ -6,8 +6,9 @@ Delayed scaling, per scaled tensor ("role": input, weight, grad):
             scale = max / (amax * margin). One op, no host sync (ops.delayed_scale_update).
   record()  after the cast: pending = max(pending, amax of the cast input); a non-finite amax is
             counted in `nonfinite_count` and never enters the history.
-Under torch.distributed the pending amax is all-reduced (MAX) over the recipe's process group in
-update(), so every rank holds identical scales.
+Under torch.distributed, record() all-reduces the amax (MAX) over the recipe's process group
+before folding it in, so every buffer is identical on every rank at all times: DDP's buffer
+broadcast and a checkpoint written by rank 0 lose nothing.
 """
 from __future__ import annotations
 
@@ -161,9 +162,6 @@ class RoleState(nn.Module):
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, fmt) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(self.pending_amax, torch.distributed.ReduceOp.MAX,
-                                         group=recipe.process_group)
         self.step.add_(1)
         outs = torch.ops.fp8ops.delayed_scale_update(
             self.amax_history, self.scale, self.amax_rep, self.pending_amax, self.step,
@@ -174,8 +172,14 @@ class RoleState(nn.Module):
             buf.copy_(new)
 
     @torch.no_grad()
-    def record(self, amax: torch.Tensor) -> None:
+    def record(self, amax: torch.Tensor, process_group=None) -> None:
         finite = torch.isfinite(amax)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # one MAX all-reduce of (amax or 0, any non-finite): NaN never meets the reduction
+            packed = torch.stack([torch.where(finite, amax, 0.0), (~finite).to(amax.dtype)])
+            torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX,
+                                         group=process_group)
+            amax, finite = packed[0], packed[1] == 0
         self.pending_amax.copy_(torch.where(finite, torch.maximum(self.pending_amax, amax),
                                             self.pending_amax))
         self.nonfinite_count.add_((~finite).to(torch.int64))
@@ -210,7 +214,9 @@ class ScalingState(nn.Module):
             self.grad = RoleState(n, device)
         self.rng_seed = int(getattr(self.recipe, "seed", 0))
         self.rng_offset = 0
-        self._weight_cache = None  # (key, quantized weight)
+        self._weight_cache = None  # ((data_ptr, values key), quantized weight)
+        # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
+        self.recording = True
 
     @property
     def delayed(self) -> bool:
@@ -224,16 +230,23 @@ class ScalingState(nn.Module):
         return self.rng_seed, offset
 
     def cached_weight(self, weight: torch.Tensor, cast):
-        """cast(weight) once per weight version and optimizer step; skipped under torch.compile
-        (no version there). The optimizer-step count is in the key because writers that bypass
-        the version counter exist: FSDP2 all-gathers the updated weight into the same unsharded
-        storage under _unsafe_preserve_version_counter (data_ptr and _version then repeat)."""
+        """The FP8 weight, cast once per weight version and optimizer step.
+
+        cast(weight, new_values) does the cast; new_values says whether the weight's values may
+        have changed since the last cast (a new version or optimizer step), which is when the
+        delayed-scaling weight role steps. A cast forced only by a new storage (FSDP2 re-gathers
+        the unsharded weight into fresh memory per microbatch, at addresses that differ by rank)
+        reuses the scales, so every rank steps, and all-reduces, the same number of times.
+        The optimizer-step count is in the key because FSDP2 writes the updated weight under
+        _unsafe_preserve_version_counter. Under torch.compile there is no version: cast each call.
+        """
         if torch.compiler.is_compiling():
-            return cast(weight)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.device,
-               _OPTIMIZER_STEPS[0])
+            return cast(weight, True)
+        values = (weight._version, _OPTIMIZER_STEPS[0], weight.dtype, weight.shape, weight.device)
+        key = (weight.data_ptr(), values)
         if self._weight_cache is None or self._weight_cache[0] != key:
-            self._weight_cache = (key, cast(weight))
+            new_values = self._weight_cache is None or self._weight_cache[0][1] != values
+            self._weight_cache = (key, cast(weight, new_values))
         return self._weight_cache[1]
 
     def get_extra_state(self):

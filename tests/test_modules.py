@@ -109,3 +109,18 @@ def test_torch_compile_fullgraph_matches_eager(recipe, backend):
             assert torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-6), k
         else:
             assert a == b, k
+
+
+def test_eval_mode_uses_the_scales_and_records_nothing():
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling(amax_history_len=4))
+    lin(torch.randn(4, 32)).sum().backward()
+    before = {k: v.clone() for k, v in lin.fp8_state.state_dict().items() if torch.is_tensor(v)}
+    lin.eval()
+    with torch.no_grad():
+        lin(torch.randn(4, 32) * 100)
+    for k, v in lin.fp8_state.state_dict().items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, before[k]), k
+    lin.train()
+    lin(torch.randn(4, 32))
+    assert lin.fp8_state.input.step.item() == 2

@@ -1,0 +1,277 @@
+"""Train a small GPT on the Python reference manual, in the baseline precision and with each
+fp8ops recipe, and compare: final train / validation loss, gap to the baseline, tokens/s, memory.
+
+    python examples/train_gpt.py                    # CPU default (emulation backend), a few minutes
+    python examples/train_gpt.py --size gpu         # larger model and longer run on a CUDA GPU
+
+Every run starts from the same seed, sees the same batches in the same order and is evaluated on
+the same fixed validation batches. The FP8 runs convert the transformer blocks' nn.Linear layers
+(qkv, attention projection, MLP up / down) with fp8ops.convert_to_fp8; the token / position
+embeddings and the LM head stay in high precision (filter_fn), as do LayerNorm, softmax-attention
+and the loss. Baseline precision: float32 on CPU; on CUDA every run (the baseline and the
+non-FP8 ops of the FP8 runs) runs under bfloat16 autocast.
+Outputs in --out-dir: results.md (the table), loss_curves.png, results.json.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fp8ops  # noqa: E402
+from data import VOCAB_SIZE, Batches, fixed_batches, load_tokens  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+RECIPES = {
+    "baseline": lambda: None,
+    "delayed": lambda: fp8ops.DelayedScaling(),
+    "current": lambda: fp8ops.CurrentScaling(),
+    "current_stochastic": lambda: fp8ops.CurrentScaling(grad_rounding="stochastic"),
+    "mxfp8": lambda: fp8ops.MXFP8Scaling(),
+    "blockwise": lambda: fp8ops.BlockwiseScaling(),
+}
+SIZES = {  # presets; every field can be overridden by its flag
+    "cpu": dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2,
+                n_head=4, lr=3e-3, eval_every=50, eval_batches=8),
+    "gpu": dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768, n_layer=8,
+                n_head=12, lr=1e-3, eval_every=200, eval_batches=32),
+    "tiny": dict(device="cpu", steps=6, batch_size=4, seq_len=32, d_model=64, n_layer=1,
+                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=SIZES, default="cpu", help="preset (default: cpu)")
+    for name in ("steps", "batch_size", "seq_len", "d_model", "n_layer", "n_head", "eval_every",
+                 "eval_batches"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: from --size)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="comma-separated subset of: " + ", ".join(RECIPES))
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "out"))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    args = p.parse_args(argv)
+    for k, v in SIZES[args.size].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 10)
+    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    bad = [r for r in args.recipes if r not in RECIPES]
+    if bad:
+        p.error(f"unknown recipe(s) {bad}; choose from {list(RECIPES)}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: CUDA allocator peak on a GPU; on CPU the growth of the process's peak RSS during the run
+# ---------------------------------------------------------------------------------------------
+def _rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakMemory:
+    """On CUDA: torch.cuda.max_memory_allocated. On CPU (Linux): the peak RSS is reset before the
+    run (write 5 to /proc/self/clear_refs, after gc and malloc_trim) and the growth of VmHWM over
+    the starting VmRSS is reported; where that reset is not possible, the growth of
+    resource.getrusage(RUSAGE_SELF).ru_maxrss (a lifetime peak: later runs then under-report)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.method = "cuda_max_allocated" if device.type == "cuda" else "rss_peak_growth"
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.start = _rss_kib("VmRSS")
+        except OSError:
+            self.method = "ru_maxrss_growth"
+            self.start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak_mib = torch.cuda.max_memory_allocated(self.device) / 2**20
+        elif self.method == "rss_peak_growth":
+            self.peak_mib = (_rss_kib("VmHWM") - self.start) / 1024
+        else:
+            self.peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.start) / 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# one run
+# ---------------------------------------------------------------------------------------------
+def keep_high_precision(module, fqn):
+    """filter_fn for convert_to_fp8: only the transformer blocks' Linears go to FP8."""
+    return fqn.startswith("blocks.")
+
+
+def lr_at(step, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast):
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with autocast():
+            losses.append(model(x.to(device), y.to(device)).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run(name, args, train_tokens, val_batches, device):
+    recipe = RECIPES[name]()
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model,
+                    n_layer=args.n_layer, n_head=args.n_head)
+    model = GPT(cfg).to(device)
+    if recipe is not None:
+        fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    batches = Batches(train_tokens, args.batch_size, args.seq_len, seed=args.seed + 1)
+    if device.type == "cuda":
+        def autocast():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        autocast = nullcontext
+    bar = range(args.steps)
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(bar, desc=f"{name:>18}", leave=True, dynamic_ncols=True)
+    train_curve, val_curve, train_time = [], [], 0.0
+    with PeakMemory(device) as mem:
+        for step in bar:
+            x, y = batches.next()
+            x, y = x.to(device), y.to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args)
+            with autocast():
+                loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss_val = loss.item()  # syncs, so the timing is the step's
+            train_time += time.perf_counter() - t0
+            train_curve.append(loss_val)
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                val_curve.append((step + 1, evaluate(model, val_batches, device, autocast)))
+            if not args.no_progress:
+                bar.set_postfix(loss=f"{loss_val:.4f}", val=f"{val_curve[-1][1]:.4f}"
+                                if val_curve else "-")
+    if not args.no_progress:
+        bar.close()
+    tail = max(1, min(20, args.steps // 10))  # final train loss: mean of the last steps
+    return dict(name=name, recipe=repr(recipe) if recipe is not None else "none",
+                final_train_loss=sum(train_curve[-tail:]) / tail,
+                final_val_loss=val_curve[-1][1], tokens_per_s=args.steps * args.batch_size
+                * args.seq_len / train_time, peak_mem_mib=mem.peak_mib, mem_method=mem.method,
+                train_curve=train_curve, val_curve=val_curve)
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def table(results, args, device):
+    base = next((r for r in results if r["name"] == "baseline"), None)
+    mem_col = "peak mem (MiB, " + results[0]["mem_method"] + ")"
+    rows = ["| recipe | final train loss | final val loss | val gap vs baseline | tokens/s | "
+            f"{mem_col} |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        gap = ("-" if base is None or r is base else
+               f"{100 * (r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2f}%")
+        r["val_gap_pct"] = None if gap == "-" else float(gap.rstrip("%"))
+        rows.append(f"| {r['name']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | "
+                    f"{gap} | {r['tokens_per_s']:.0f} | {r['peak_mem_mib']:.1f} |")
+    backend = fp8ops.backend(device)
+    head = (f"GPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} "
+            f"seq_len={args.seq_len} batch={args.batch_size} steps={args.steps} lr={args.lr} "
+            f"seed={args.seed}; device={device} ({'bf16 autocast' if device.type == 'cuda' else 'float32'}"
+            f" baseline); fp8ops backend={backend} ({backend.reason}); FP8: blocks' Linears only "
+            f"(embeddings and LM head in high precision); final train loss = mean of the last "
+            f"{max(1, min(20, args.steps // 10))} steps")
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        c = r["train_curve"]
+        w = max(1, len(c) // 30)  # running mean for readability
+        sm = [sum(c[max(0, i - w + 1):i + 1]) / len(c[max(0, i - w + 1):i + 1]) for i in range(len(c))]
+        a1.plot(range(1, len(c) + 1), sm, label=r["name"], lw=1)
+        s, v = zip(*r["val_curve"])
+        a2.plot(s, v, marker="o", ms=3, label=r["name"], lw=1)
+    a1.set(title="train loss (running mean)", xlabel="step", ylabel="cross-entropy (nats/byte)")
+    a2.set(title="validation loss", xlabel="step")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda asked for, but torch.cuda.is_available() is False")
+    os.makedirs(args.out_dir, exist_ok=True)
+    train_tokens, val_tokens = load_tokens()
+    val_batches = fixed_batches(val_tokens, args.eval_batches, args.batch_size, args.seq_len,
+                                seed=args.seed + 12345)
+    results = [run(name, args, train_tokens, val_batches, device) for name in args.recipes]
+    text = table(results, args, device)
+    print("\n" + text)
+    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump(dict(args=vars(args), results=results), f, indent=1)
+    plot(results, os.path.join(args.out_dir, "loss_curves.png"))
+    print(f"wrote {args.out_dir}/results.md, results.json, loss_curves.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Data-parallel FP8 training on 2 CPU processes (gloo): DDP, FSDP2 (fully_shard), checkpoint
+resume, and the FP8 weight cache under FSDP2. Workers run under torch.multiprocessing.spawn and
+write their results to files; the assertions run here, in the pytest process.
+
+The model is Linear(32, 64) -> GELU -> Linear(64, 16), both FP8Linear with DelayedScaling. Rank r
+scales its inputs by (1 + 3r), so the ranks see different amax and only the all-reduce (MAX) of
+each recorded amax in RoleState.record can make their scales agree. DDP runs with its defaults
+(buffers broadcast from rank 0 before every forward): that is harmless only because every
+fp8 buffer is identical on every rank at all times."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fp8ops
+
+WORLD = 2
+STEPS = 6
+CKPT_AT = 3
+LOCAL_BATCH = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# the model, the data and the training loop (shared by every worker and the reference run)
+# ---------------------------------------------------------------------------------------------
+def make_model(process_group=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    recipe = fp8ops.DelayedScaling(amax_history_len=8, process_group=process_group)
+    return fp8ops.convert_to_fp8(model, recipe)
+
+
+def make_opt(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def local_batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(LOCAL_BATCH, 32, generator=g) * (1.0 + 3.0 * rank)
+    return x, torch.randn(LOCAL_BATCH, 16, generator=g)
+
+
+def global_batch(step):
+    xs, ys = zip(*(local_batch(step, r) for r in range(WORLD)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def train(model, opt, steps, rank=None, start=0, check=None):
+    """rank=None: the single-process run on the global batch. Returns the per-step losses and
+    the input amax each step's first layer saw."""
+    losses, amaxes = [], []
+    for s in range(start, start + steps):
+        x, y = global_batch(s) if rank is None else local_batch(s, rank)
+        loss = F.mse_loss(model(x), y)
+        if check is not None:
+            check()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        amaxes.append(x.abs().max().item())
+    return losses, amaxes
+
+
+def fp8_states(module):
+    """Every fp8_state entry of the state_dict (buffers and the RNG extra state), cloned."""
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in module.state_dict().items()
+            if ".fp8_state." in k}
+
+
+# ---------------------------------------------------------------------------------------------
+# spawn plumbing
+# ---------------------------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, worker, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # a timeout, so that ranks issuing different collectives fail instead of hanging
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=45))
+    try:
+        result = globals()[worker](rank, out_dir)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(worker, world=WORLD):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world, worker, _free_port(), out_dir), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+                for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------
+# workers
+# ---------------------------------------------------------------------------------------------
+def _ddp_worker(rank, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    res = {}
+    # (a, b) uninterrupted training, DDP defaults
+    ddp = DDP(make_model())
+    opt = make_opt(ddp)
+    res["losses"], res["amax"] = train(ddp, opt, STEPS, rank)
+    res["state"] = fp8_states(ddp.module)
+    # (d) checkpoint at CKPT_AT, resume in fresh models on both ranks
+    ddp = DDP(make_model())
+    opt = make_opt(ddp)
+    first, _ = train(ddp, opt, CKPT_AT, rank)
+    path = os.path.join(out_dir, "ckpt.pt")
+    if rank == 0:
+        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict()}, path)
+    dist.barrier()
+    torch.manual_seed(1234 + rank)  # fresh, different weights: everything must come from the file
+    fresh = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    fresh = DDP(fp8ops.convert_to_fp8(fresh, fp8ops.DelayedScaling(amax_history_len=8)))
+    opt = make_opt(fresh)
+    ckpt = torch.load(path, weights_only=False)
+    fresh.module.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    rest, _ = train(fresh, opt, STEPS - CKPT_AT, rank, start=CKPT_AT)
+    res["resumed_losses"] = first + rest
+    # a deliberately broken run: each rank reduces its amax over a group of itself only, so the
+    # other rank's amax is lost (what a missing all-reduce would do); DDP's buffer broadcast is
+    # off so that rank 0's buffers do not mask it
+    own = [dist.new_group([r]) for r in range(WORLD)][rank]
+    ddp = DDP(make_model(process_group=own), broadcast_buffers=False)
+    res["lost_losses"], _ = train(ddp, make_opt(ddp), STEPS, rank)
+    res["lost_state"] = fp8_states(ddp.module)
+    return res
+
+
+def _fsdp_worker(rank, out_dir):
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    stale = []
+
+    def check_weight_cache():
+        """The FP8 weight the forward used must be the cast of the weight it was given."""
+        for layer in (model[0], model[2]):
+            st = layer.fp8_state
+            w = layer.weight.full_tensor()
+            data = torch.ops.fp8ops.quantize(w, st.weight.scale, torch.float8_e4m3fn, False)[0]
+            stale.append(not torch.equal(st._weight_cache[1][0].view(torch.uint8),
+                                         data.view(torch.uint8)))
+
+    losses, amax = train(model, make_opt(model), STEPS, rank, check=check_weight_cache)
+    return {"losses": losses, "amax": amax, "state": fp8_states(model), "stale": stale}
+
+
+def _fsdp_accum_worker(rank, out_dir):
+    """FSDP2 + DelayedScaling + gradient accumulation: FSDP2 re-gathers the weight into new
+    storage per microbatch at addresses that differ by rank; the ranks must still step (and
+    all-reduce) the weight scaling state the same number of times, or the collectives mismatch."""
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = make_opt(model)
+    for step in range(3):
+        for micro in range(3):
+            x, y = local_batch(10 * step + micro, rank)
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"state": fp8_states(model)}
+
+
+def _fsdp_single_worker(rank, out_dir):
+    """World size 1: FSDP2 re-gathers the updated weight into the same storage (same data_ptr
+    here, often) under _unsafe_preserve_version_counter, so the version does not change."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    fp8ops.convert_to_fp8(model, fp8ops.CurrentScaling())
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    stale = []
+    for step in range(8):
+        loss = model(torch.randn(8, 256)).square().mean()
+        for layer in (model[0], model[2]):
+            cache = layer.fp8_state._weight_cache[1]
+            fresh = fp8ops.quantize(layer.weight.full_tensor(), "e4m3")  # current scaling
+            stale.append(not torch.equal(cache[0].view(torch.uint8), fresh.data.view(torch.uint8)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"stale": stale}
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ddp():
+    return spawn("_ddp_worker")
+
+
+@pytest.fixture(scope="module")
+def single():
+    model = make_model()
+    return train(model, make_opt(model), STEPS)
+
+
+def _assert_same_state(states):
+    a, b = states
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), f"{k} differs across ranks: {a[k]} vs {b[k]}"
+        else:
+            assert a[k] == b[k], k
+
+
+def test_ddp_scaling_state_identical_across_ranks(ddp):
+    r0, r1 = ddp
+    # the ranks really saw different amax (rank 1's inputs are 4x larger) ...
+    assert all(a1 > 1.5 * a0 for a0, a1 in zip(r0["amax"], r1["amax"]))
+    # ... and every buffer of every ScalingState agrees, pending amax included
+    _assert_same_state([r0["state"], r1["state"]])
+    # the history holds the MAX over ranks: forward s pushes the amax of step s-1 into slot 0
+    hist = r0["state"]["0.fp8_state.input.amax_history"]
+    expect = torch.tensor([max(a, b) for a, b in zip(r0["amax"], r1["amax"])][STEPS - 2::-1])
+    assert torch.equal(hist[:STEPS - 1], expect), (hist, expect)
+    assert int(r0["state"]["0.fp8_state.input.step"]) == STEPS
+    for role in ("input", "weight", "grad"):
+        assert r0["state"][f"2.fp8_state.{role}.amax_history"][:STEPS - 1].min() > 0, role
+
+
+# Tolerance for DP vs single-process losses. Both runs cast bit-identical FP8 operands at first:
+# the input scale is that of the global amax (the all-reduced MAX), and each rank's dY is exactly
+# 2x the single-process dY with an exactly 2x smaller scale. What differs is float32 summation
+# order (wgrad over 8 + 8 rows plus the gradient all-reduce, vs over 16 rows): ~1e-7 relative on
+# the weights after a step. The FP8 casts then amplify this: a weight amax that moved by one
+# float32 ulp moves the delayed scale, and every element near a rounding tie flips by one FP8 ulp
+# (2^-3 / 2^-4 relative), so from step ~3 on the losses differ by up to ~1e-3 (measured: 6e-4).
+# Hence: step 0 (no update yet) to 1e-5; all steps to 3e-3, 3x the noise seen, and below what a
+# real scaling bug gives (losing rank 1's amax moves the loss by more: checked in
+# test_dp_tolerance_catches_lost_amax).
+STEP0_RTOL, RTOL = 1e-5, 3e-3
+
+
+def _mean_losses(r0, r1, key="losses"):
+    return torch.tensor([(a + b) / 2 for a, b in zip(r0[key], r1[key])], dtype=torch.float64)
+
+
+def test_ddp_loss_matches_single_process(ddp, single):
+    """The DDP loss of a step is the mean of the ranks' losses (equal shards, mean reduction)."""
+    r0, r1 = ddp
+    ddp_loss = _mean_losses(r0, r1)
+    ref, ref_amax = single
+    ref = torch.tensor(ref, dtype=torch.float64)
+    assert ref_amax == [max(a, b) for a, b in zip(r0["amax"], r1["amax"])]
+    torch.testing.assert_close(ddp_loss[0], ref[0], rtol=STEP0_RTOL, atol=0)
+    torch.testing.assert_close(ddp_loss, ref, rtol=RTOL, atol=0)
+    assert ddp_loss[-1] < ddp_loss[0]  # it trains
+
+
+def test_dp_tolerance_catches_lost_amax(ddp, single):
+    """RTOL is tight enough to see the scales go wrong (rank 1's amax dropped)."""
+    r0, r1 = ddp
+    bad = _mean_losses(r0, r1, "lost_losses")
+    ref = torch.tensor(single[0], dtype=torch.float64)
+    assert ((bad - ref).abs() / ref).max() > 3 * RTOL
+    hist = "0.fp8_state.input.amax_history"  # and the ranks' scaling states did diverge
+    assert not torch.equal(r0["lost_state"][hist], r1["lost_state"][hist])
+
+
+def test_fsdp2_matches_ddp(ddp):
+    f0, f1 = spawn("_fsdp_worker")
+    assert not any(f0["stale"] + f1["stale"]), "a forward used a stale cached FP8 weight"
+    _assert_same_state([f0["state"], f1["state"]])
+    d0, d1 = ddp
+    _assert_same_state([f0["state"], d0["state"]])  # FSDP2 and DDP scale identically
+    fsdp_loss, ddp_loss = _mean_losses(f0, f1), _mean_losses(d0, d1)
+    # same math; reduce-scatter vs all-reduce summation order only (see RTOL)
+    torch.testing.assert_close(fsdp_loss[0], ddp_loss[0], rtol=STEP0_RTOL, atol=0)
+    torch.testing.assert_close(fsdp_loss, ddp_loss, rtol=RTOL, atol=0)
+
+
+def test_checkpoint_resume_identical(ddp):
+    r0, r1 = ddp
+    for r in (r0, r1):
+        assert r["resumed_losses"] == r["losses"], (r["resumed_losses"], r["losses"])
+
+
+def test_fsdp2_weight_cache_not_stale():
+    """Without the optimizer-step count in ScalingState.cached_weight's key, this finds forwards
+    that used the FP8 weight of an earlier step (FSDP2 keeps data_ptr and _version)."""
+    (r,) = spawn("_fsdp_single_worker", world=1)
+    assert not any(r["stale"]), f"stale FP8 weight in {sum(r['stale'])} of {len(r['stale'])}"
+
+
+def test_weight_cache_sees_write_that_keeps_version():
+    """FSDP2's mechanism without FSDP2: the optimizer updates a separate (sharded) tensor, and the
+    new values are copied into the same unsharded storage without bumping _version."""
+    shard = nn.Parameter(torch.randn(16, 32))
+    weight = nn.Parameter(shard.detach().clone())
+    state = fp8ops.ScalingState(fp8ops.CurrentScaling())
+    x = torch.randn(4, 32)
+    fp8ops.linear(x, weight, state=state)
+    shard.grad = torch.randn_like(shard)
+    torch.optim.SGD([shard], lr=1.0).step()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
+        weight.copy_(shard)
+    assert weight._version == 0
+    y = fp8ops.linear(x, weight, state=state)
+    torch.testing.assert_close(y, fp8ops.linear(x, weight), rtol=0, atol=0)
+
+
+def test_fsdp2_gradient_accumulation_keeps_ranks_in_step():
+    a, b = spawn("_fsdp_accum_worker")  # a collective mismatch fails on the 45 s gloo timeout
+    _assert_same_state([a["state"], b["state"]])
+    assert int(a["state"]["0.fp8_state.weight.step"]) == 3  # once per optimizer step
+    assert int(a["state"]["0.fp8_state.input.step"]) == 9  # once per microbatch
