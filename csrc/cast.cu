@@ -1,25 +1,193 @@
-// Per-tensor cast kernels: amax (more kernels: issue 3).
+// Per-tensor cast kernels: amax, quantize (nearest / stochastic) with amax in the same pass,
+// the fused quantize + transpose + amax, and dequantize. Numerics: DESIGN.md sections 3-4.
 #include "common.cuh"
 
 namespace fp8ops {
 namespace {
 
-// Grid-stride max |x|; one atomicMax of the ordered bits per block.
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 2048;  // grid-stride beyond this: fewer amax atomics, same bandwidth
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// A flat range [0, n) split into a scalar head (until the input is 16-byte aligned), a body of
+// N-element vectors, and a scalar tail; head == n makes everything scalar.
+struct FlatPlan {
+  int64_t n, head, nvec;
+};
+
+template <int N>
+FlatPlan plan_flat(int64_t n, int64_t head) {
+  return {n, head, (n - head) / N};
+}
+
+template <int N, typename VecFn, typename OneFn>
+__device__ __forceinline__ void for_each_flat(const FlatPlan& p, VecFn&& vec_fn, OneFn&& one_fn) {
+  const int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t v = tid; v < p.nvec; v += stride) vec_fn(p.head + v * N);
+  const int64_t body_end = p.head + p.nvec * N, rest = p.head + (p.n - body_end);
+  for (int64_t r = tid; r < rest; r += stride) one_fn(r < p.head ? r : body_end + (r - p.head));
+}
+
+template <int N>
+int flat_blocks(const FlatPlan& p) {
+  const int64_t scalar = p.n - p.nvec * N;
+  return grid_for(p.nvec > scalar ? p.nvec : scalar, kThreads, kMaxBlocks);
+}
+
+// ---- amax ---------------------------------------------------------------------------------------
 template <typename T>
-__global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* __restrict__ out) {
+__global__ void amax_kernel(const T* __restrict__ x, FlatPlan plan, unsigned* __restrict__ out) {
+  constexpr int N = 16 / sizeof(T);
   unsigned m = 0;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x)
-    m = max(m, abs_bits(to_float(x[i])));
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __shared__ unsigned warp_max[32];
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (threadIdx.x == 0) atomicMax(out, m);
+  for_each_flat<N>(
+      plan,
+      [&](int64_t i) {
+        Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + i);
+#pragma unroll
+        for (int k = 0; k < N; ++k) m = max(m, abs_bits(to_float(a.v[k])));
+      },
+      [&](int64_t i) { m = max(m, abs_bits(to_float(x[i]))); });
+  m = block_max(m);
+  if (threadIdx.x == 0 && m) atomicMax(out, m);
+}
+
+// ---- quantize (flat) ----------------------------------------------------------------------------
+// One element: scale with a single float32 multiply (no FMA contraction), then round.
+template <Fp8 F, bool kStoch>
+__device__ __forceinline__ uint8_t quant_one(float v, float s, RandomWords& rw, int64_t i) {
+  float y = __fmul_rn(v, s);
+  if constexpr (kStoch) return to_fp8_stochastic<F>(y, rw(i));
+  else return to_fp8<F>(y);
+}
+
+// N consecutive elements starting at flat index i0 -> N bytes; also folds |x| into m.
+template <typename T, Fp8 F, bool kStoch, int N>
+__device__ __forceinline__ Pack<uint8_t, N> quant_pack(const Pack<T, N>& a, float s,
+                                                       RandomWords& rw, int64_t i0, unsigned& m) {
+  Pack<uint8_t, N> q;
+  float f[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    f[k] = to_float(a.v[k]);
+    m = max(m, abs_bits(f[k]));
   }
+  if constexpr (kStoch || N == 1) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) q.v[k] = quant_one<F, kStoch>(f[k], s, rw, i0 + k);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      uint16_t two = to_fp8x2<F>(__fmul_rn(f[k], s), __fmul_rn(f[k + 1], s));
+      q.v[k] = uint8_t(two);
+      q.v[k + 1] = uint8_t(two >> 8);
+    }
+  }
+  return q;
+}
+
+template <typename T, Fp8 F, bool kStoch>
+__global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
+  constexpr int N = 16 / sizeof(T);
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const float s = *p.scale;
+  RandomWords rw(p.seed, p.offset);
+  unsigned m = 0;
+  for_each_flat<N>(
+      plan,
+      [&](int64_t i) {
+        Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + i);
+        *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = quant_pack<T, F, kStoch, N>(a, s, rw, i, m);
+      },
+      [&](int64_t i) {
+        float v = to_float(x[i]);
+        m = max(m, abs_bits(v));
+        p.data[i] = quant_one<F, kStoch>(v, s, rw, i);
+      });
+  m = block_max(m);
+  if (threadIdx.x == 0 && m) atomicMax(reinterpret_cast<unsigned*>(p.amax), m);
+}
+
+// ---- quantize + transpose -----------------------------------------------------------------------
+// One 64x64 tile of the [rows, cols] view per block: coalesced row reads and row-wise writes, the
+// bytes staged in shared memory, then coalesced 4-byte writes along rows of data_t [cols, rows].
+constexpr int kTile = 64;
+
+template <typename T, Fp8 F, bool kStoch, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool vec_t) {
+  constexpr int N = kVec ? 16 / sizeof(T) : 1;
+  constexpr int kThreadsPerRow = kTile / N;
+  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  __shared__ alignas(16) uint8_t tile[kTile][kTile + 4];  // +4: fewer bank conflicts reading columns
+
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const int64_t cols = p.cols;
+  const int64_t r0 = (blockIdx.x / tiles_c) * kTile, c0 = (blockIdx.x % tiles_c) * kTile;
+  const float s = *p.scale;
+  RandomWords rw(p.seed, p.offset);
+  unsigned m = 0;
+
+  const int tc = (threadIdx.x % kThreadsPerRow) * N;
+  for (int r = threadIdx.x / kThreadsPerRow; r < kTile; r += kRowsPerPass) {
+    const int64_t gr = r0 + r, gc = c0 + tc;
+    if (gr >= rows || gc >= cols) continue;  // with kVec, cols % N == 0: whole vector in range
+    const int64_t i = gr * cols + gc;
+    Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + i);
+    Pack<uint8_t, N> q = quant_pack<T, F, kStoch, N>(a, s, rw, i, m);
+    *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = q;
+    if constexpr (N >= 4) {
+#pragma unroll
+      for (int k = 0; k < N; k += 4)
+        *reinterpret_cast<uint32_t*>(&tile[r][tc + k]) = *reinterpret_cast<const uint32_t*>(&q.v[k]);
+    } else {
+      tile[r][tc] = q.v[0];
+    }
+  }
+  __syncthreads();
+
+  const int tr = (threadIdx.x % (kTile / 4)) * 4;  // 4 consecutive rows of the tile per thread
+  for (int c = threadIdx.x / (kTile / 4); c < kTile; c += kThreads / (kTile / 4)) {
+    const int64_t gc = c0 + c, gr = r0 + tr;
+    if (gc >= cols || gr >= rows) continue;
+    uint8_t* dst = p.data_t + gc * rows + gr;
+    if (vec_t && gr + 4 <= rows) {
+      *reinterpret_cast<uint32_t*>(dst) = uint32_t(tile[tr][c]) | uint32_t(tile[tr + 1][c]) << 8 |
+                                          uint32_t(tile[tr + 2][c]) << 16 | uint32_t(tile[tr + 3][c]) << 24;
+    } else {
+      for (int k = 0; k < 4 && gr + k < rows; ++k) dst[k] = tile[tr + k][c];
+    }
+  }
+
+  m = block_max(m);
+  if (threadIdx.x == 0 && m) atomicMax(reinterpret_cast<unsigned*>(p.amax), m);
+}
+
+// ---- dequantize ---------------------------------------------------------------------------------
+template <Fp8 F, typename T>
+__global__ void dequantize_kernel(DequantizeParams p, FlatPlan plan) {
+  constexpr int N = 8;  // 8 FP8 bytes in, 8 elements out
+  const float s = *p.scale_inv;
+  T* __restrict__ out = static_cast<T*>(p.out);
+  for_each_flat<N>(
+      plan,
+      [&](int64_t i) {
+        Pack<uint8_t, N> a = *reinterpret_cast<const Pack<uint8_t, N>*>(p.data + i);
+        Pack<T, N> o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) o.v[k] = from_float<T>(__fmul_rn(fp8_to_float<F>(a.v[k]), s));
+        *reinterpret_cast<Pack<T, N>*>(out + i) = o;
+      },
+      [&](int64_t i) { out[i] = from_float<T>(__fmul_rn(fp8_to_float<F>(p.data[i]), s)); });
+}
+
+template <typename F>
+void dispatch_output(DType dt, F&& f) {
+  dispatch_input(dt, std::forward<F>(f));  // same three types
 }
 
 }  // namespace
@@ -27,12 +195,63 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* __rest
 void launch_amax(const AmaxParams& p, cudaStream_t stream) {
   FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
   if (p.n == 0) return;
-  constexpr int kThreads = 256;
   dispatch_input(p.x_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    amax_kernel<T><<<grid_for(p.n, kThreads, 1024), kThreads, 0, stream>>>(
-        static_cast<const T*>(p.x), p.n, reinterpret_cast<unsigned*>(p.amax));
+    FlatPlan plan = plan_flat<16 / sizeof(T)>(p.n, head_to_align16<T>(p.x, p.n));
+    amax_kernel<T><<<flat_blocks<16 / sizeof(T)>(plan), kThreads, 0, stream>>>(static_cast<const T*>(p.x), plan,
+                                                                reinterpret_cast<unsigned*>(p.amax));
     FP8OPS_CHECK_LAUNCH();
+  });
+}
+
+void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
+  FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
+  if (p.n == 0) return;
+  if (p.data_t && p.cols <= 0) throw std::invalid_argument("fp8ops: quantize: cols must be > 0");
+  dispatch_input(p.x_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int N = 16 / sizeof(T);
+    dispatch_fp8(p.out_dtype, [&](auto fmt) {
+      constexpr Fp8 F = decltype(fmt)::value;
+      if (p.data_t) {
+        const int64_t rows = p.n / p.cols, tiles_c = (p.cols + kTile - 1) / kTile;
+        const int64_t tiles = (rows + kTile - 1) / kTile * tiles_c;
+        if (tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize: tensor too large");
+        const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
+        const bool vec_t = aligned(p.data_t, 4) && rows % 4 == 0;
+        auto go = [&](auto kernel) {
+          kernel<<<unsigned(tiles), kThreads, 0, stream>>>(p, rows, tiles_c, vec_t);
+          FP8OPS_CHECK_LAUNCH();
+        };
+        if (p.stochastic)
+          vec ? go(quantize_transpose_kernel<T, F, true, true>) : go(quantize_transpose_kernel<T, F, true, false>);
+        else
+          vec ? go(quantize_transpose_kernel<T, F, false, true>) : go(quantize_transpose_kernel<T, F, false, false>);
+      } else {
+        int64_t head = head_to_align16<T>(p.x, p.n);
+        if (!aligned(p.data + (head < p.n ? head : 0), N)) head = p.n;  // output not aligned alike
+        FlatPlan plan = plan_flat<N>(p.n, head);
+        auto kernel = p.stochastic ? quantize_kernel<T, F, true> : quantize_kernel<T, F, false>;
+        kernel<<<flat_blocks<N>(plan), kThreads, 0, stream>>>(p, plan);
+        FP8OPS_CHECK_LAUNCH();
+      }
+    });
+  });
+}
+
+void launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  dispatch_fp8(p.data_dtype, [&](auto fmt) {
+    constexpr Fp8 F = decltype(fmt)::value;
+    dispatch_output(p.out_dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      // vector body needs 8-byte aligned input and 8 * sizeof(T)-aligned output at the same index
+      int64_t head = int64_t((8 - reinterpret_cast<uintptr_t>(p.data) % 8) % 8);
+      if (head > p.n || !aligned(static_cast<T*>(p.out) + head, 8 * sizeof(T))) head = p.n;
+      FlatPlan plan = plan_flat<8>(p.n, head);
+      dequantize_kernel<F, T><<<flat_blocks<8>(plan), kThreads, 0, stream>>>(p, plan);
+      FP8OPS_CHECK_LAUNCH();
+    });
   });
 }
 

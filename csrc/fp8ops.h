@@ -22,9 +22,160 @@ struct AmaxParams {
 void launch_amax(const AmaxParams& p, cudaStream_t stream);
 
 // ==== BEGIN cast kernels (issue 3) ====
+// All tensors are contiguous, row-major. FP8 data and E8M0 scales are raw bytes.
+
+// data = FP8(x * *scale) (nearest or stochastic), *amax = max |x|, and optionally data_t, the
+// transpose [cols, rows] of the 2-D view [rows = n / cols, cols] of data, all from one read of x.
+struct QuantizeParams {
+  const void* x;
+  DType x_dtype;
+  int64_t n;           // elements
+  int64_t cols;        // last dim (used when data_t != nullptr)
+  const float* scale;  // device, 1 element
+  DType out_dtype;     // kE4M3 or kE5M2
+  uint8_t* data;       // n bytes
+  uint8_t* data_t;     // n bytes or nullptr
+  float* amax;         // device, 1 element
+  bool stochastic;
+  uint64_t seed, offset;  // Philox key and counter high half (DESIGN.md section 4)
+};
+void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
+
+// out = (float(data) * *scale_inv) rounded to out_dtype.
+struct DequantizeParams {
+  const uint8_t* data;
+  DType data_dtype;  // kE4M3 or kE5M2
+  int64_t n;
+  const float* scale_inv;  // device, 1 element
+  void* out;
+  DType out_dtype;  // kFloat32, kBFloat16 or kFloat16
+};
+void launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
+
+// MXFP8: x viewed as [outer, len, inner], blocks of block_size along len (the op's axis).
+// scales [outer, len / block_size, inner] E8M0 bytes; data has the shape of x.
+struct QuantizeMxParams {
+  const void* x;
+  DType x_dtype;
+  int64_t outer, len, inner;
+  int block_size;
+  DType out_dtype;
+  bool rceil;
+  uint8_t* data;
+  uint8_t* scales;
+};
+void launch_quantize_mx(const QuantizeMxParams& p, cudaStream_t stream);
+
+struct DequantizeMxParams {
+  const uint8_t* data;
+  DType data_dtype;
+  const uint8_t* scales;
+  int64_t outer, len, inner;
+  int block_size;
+  void* out;
+  DType out_dtype;
+};
+void launch_dequantize_mx(const DequantizeMxParams& p, cudaStream_t stream);
+
+// Blockwise: x viewed as [rows, cols], tiles block_rows x block_cols (last ones may be partial),
+// scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)] float32.
+struct QuantizeBlockwiseParams {
+  const void* x;
+  DType x_dtype;
+  int64_t rows, cols;
+  int block_rows, block_cols;
+  DType out_dtype;
+  bool power_of_two;
+  uint8_t* data;
+  float* scale_inv;
+};
+void launch_quantize_blockwise(const QuantizeBlockwiseParams& p, cudaStream_t stream);
+
+struct DequantizeBlockwiseParams {
+  const uint8_t* data;
+  DType data_dtype;
+  int64_t rows, cols;
+  int block_rows, block_cols;
+  const float* scale_inv;
+  void* out;
+  DType out_dtype;
+};
+void launch_dequantize_blockwise(const DequantizeBlockwiseParams& p, cudaStream_t stream);
+
+// Delayed scaling: one step of the amax-history state machine (fp8ops._emulation
+// .delayed_scale_update), one block, no host sync. Inputs are read-only; outputs are separate.
+enum class AmaxAlgo : int { kMax, kMostRecent, kEma, kPercentile };
+constexpr int kMaxHistory = 1024;
+struct DelayedScaleParams {
+  const float* amax_history;  // [history_len]
+  const float* scale;         // 1 element each
+  const float* amax_rep;
+  const float* pending_amax;
+  const int64_t* step;
+  int history_len;  // 1 .. kMaxHistory
+  int64_t interval;
+  AmaxAlgo algo;
+  float fp8_max, margin;
+  float ema_a, ema_b;   // float(alpha), float(1 - alpha) (the difference taken in double)
+  double percentile_q;  // percentile / 100
+  bool power_of_two;
+  float* out_history;  // [history_len]
+  float* out_scale;
+  float* out_scale_inv;
+  float* out_amax_rep;
+  float* out_pending;
+};
+void launch_delayed_scale_update(const DelayedScaleParams& p, cudaStream_t stream);
 // ==== END cast kernels ====
 
 // ==== BEGIN gemm (issue 4) ====
+// CUTLASS Hopper FP8 GEMM (gemm_sm90*.cu, sm_90a): D[M,N] = alpha * (A[M,K] @ B[N,K]^T) + bias[N],
+// FP32 accumulation, A and B K-major (row-major, TN). Operand pairs E4M3 x E4M3 and E5M2 x E4M3;
+// D bfloat16, float16 or float32. The caller pads: K % 16 == 0, lda/ldb % 16 == 0 (elements),
+// ldd * sizeof(D) % 16 == 0, pointers 16-byte aligned (std::invalid_argument otherwise).
+// m, n, k > 0 (the caller handles empty problems without launching).
+struct GemmParams {
+  const void* a;  // [m, lda]
+  const void* b;  // [n, ldb]
+  DType a_dtype, b_dtype, out_dtype;
+  int64_t m, n, k, lda, ldb, ldd;
+  const float* a_scale_inv;  // device scalar; alpha = *a_scale_inv * *b_scale_inv in the epilogue
+  const float* b_scale_inv;  // device scalar
+  const float* bias;         // device [n] float32 or nullptr
+  void* d;                   // [m, ldd]
+  bool fast_accum;  // true: tensor-core accumulation over all of K; false: promote to FP32 every 128
+  void* workspace;
+  size_t workspace_bytes;
+};
+size_t gemm_sm90_workspace_size(const GemmParams& p);
+void launch_gemm_sm90(const GemmParams& p, cudaStream_t stream);
+
+// Blockwise scaled (DeepSeek-V3 style): per 128-long K block kb, acc += (A_kb @ B_kb^T) *
+// sa[m, kb] * sb[n, kb], then D = acc + bias. Same operand/alignment rules as GemmParams, plus,
+// for 128x128 B scales, m % 4 == 0 and a_scales 16-byte aligned (CUTLASS loads the A scales with
+// TMA in that configuration). D is bfloat16 or float32.
+// Scale tensors are float32 and MN-major, as CUTLASS's sm90 blockwise mainloop reads them:
+//   a_scales: [kb = ceil(k/128)][m]                      (the transpose of the [m, kb] 1x128 scales)
+//   b_scales: [kb][ceil(n/128)] if !b_scales_per_row     (transpose of [nb, kb] 128x128 scales)
+//             [kb][n]           if b_scales_per_row      (transpose of [n, kb] 1x128 scales)
+struct GemmBlockwiseParams {
+  const void* a;
+  const void* b;
+  DType a_dtype, b_dtype, out_dtype;
+  int64_t m, n, k, lda, ldb, ldd;
+  const float* a_scales;
+  const float* b_scales;
+  bool b_scales_per_row;
+  const float* bias;  // device [n] float32 or nullptr
+  void* d;
+  void* workspace;
+  size_t workspace_bytes;
+};
+size_t gemm_blockwise_sm90_workspace_size(const GemmBlockwiseParams& p);
+void launch_gemm_blockwise_sm90(const GemmBlockwiseParams& p, cudaStream_t stream);
+
+// True when the CUTLASS sm_90a kernels were compiled into this build.
+bool gemm_sm90_available();
 // ==== END gemm ====
 
 }  // namespace fp8ops

@@ -48,10 +48,540 @@ at::Tensor amax_cuda(const at::Tensor& x) {
 }
 
 // ==== BEGIN cast bindings (issue 3) ====
+void check_fp8(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
+              "fp8ops: ", name, " must be float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
+}
+
+void check_fp8_dtype(at::ScalarType t, const char* name) {
+  TORCH_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
+              "fp8ops: ", name, " must be torch.float8_e4m3fn or torch.float8_e5m2, got ", t);
+}
+
+void check_out_dtype(at::ScalarType t) {
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+              "fp8ops: out_dtype must be float32, bfloat16 or float16, got ", t);
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* na, const char* nb) {
+  TORCH_CHECK(a.device() == b.device(), "fp8ops: ", na, " (", a.device(), ") and ", nb, " (",
+              b.device(), ") must be on the same device");
+}
+
+// A one-element float32 tensor on x's device (the per-tensor scale / scale_inv), contiguous.
+at::Tensor cast_scale_f32(const at::Tensor& s, const at::Tensor& x, const char* name) {
+  check_cuda(s, name);
+  check_same_device(s, x, name, "the input");
+  TORCH_CHECK(s.numel() == 1, "fp8ops: ", name, " must have one element, got shape ", s.sizes());
+  TORCH_CHECK(s.is_floating_point(), "fp8ops: ", name, " must be floating point, got ", s.scalar_type());
+  return s.to(at::kFloat).contiguous();
+}
+
+// [rows, cols] of the 2-D view [prod(shape[:-1]), shape[-1]] (a 0-dim tensor is [1, 1]).
+std::pair<int64_t, int64_t> rows_cols(const at::Tensor& x) {
+  if (x.dim() == 0) return {1, 1};
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return {rows, x.size(-1)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const at::Tensor& scale,
+                                                             at::ScalarType dtype, bool transpose,
+                                                             bool stochastic, int64_t seed, int64_t offset) {
+  check_input(x, "x");
+  check_fp8_dtype(dtype, "dtype");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous(), s = cast_scale_f32(scale, x, "scale");
+  auto [rows, cols] = rows_cols(xc);
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
+  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
+  at::Tensor amax = at::empty({}, xc.options().dtype(at::kFloat));
+  if (xc.numel() == 0) return {data, data_t, amax.zero_()};
+  fp8ops::QuantizeParams p{};
+  p.x = xc.data_ptr();
+  p.x_dtype = to_dtype(xc.scalar_type());
+  p.n = xc.numel();
+  p.cols = cols;
+  p.scale = s.data_ptr<float>();
+  p.out_dtype = to_dtype(dtype);
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.data_t = transpose ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+  p.amax = amax.data_ptr<float>();
+  p.stochastic = stochastic;
+  p.seed = static_cast<uint64_t>(seed);  // two's complement bits, as the emulation's masks
+  p.offset = static_cast<uint64_t>(offset);
+  fp8ops::launch_quantize(p, stream_of(xc));
+  return {data, data_t, amax};
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType out_dtype) {
+  check_fp8(data, "data");
+  check_out_dtype(out_dtype);
+  c10::cuda::CUDAGuard guard(data.device());
+  at::Tensor dc = data.contiguous(), s = cast_scale_f32(scale_inv, data, "scale_inv");
+  at::Tensor out = at::empty(dc.sizes(), dc.options().dtype(out_dtype));
+  if (dc.numel() == 0) return out;
+  fp8ops::launch_dequantize({static_cast<const uint8_t*>(dc.data_ptr()), to_dtype(dc.scalar_type()), dc.numel(),
+                             s.data_ptr<float>(), out.data_ptr(), to_dtype(out_dtype)},
+                            stream_of(dc));
+  return out;
+}
+
+// x viewed as [outer, len, inner] around `axis` (normalized), checking the MX block.
+struct MxView {
+  int64_t axis, outer = 1, len, inner = 1;
+};
+MxView mx_view(const at::Tensor& x, int64_t block_size, int64_t axis, const char* op) {
+  TORCH_CHECK(x.dim() >= 1, "fp8ops: ", op, ": needs a tensor with at least one dimension");
+  TORCH_CHECK(axis >= -x.dim() && axis < x.dim(), "fp8ops: ", op, ": axis ", axis,
+              " out of range for a tensor of ", x.dim(), " dimensions");
+  TORCH_CHECK(block_size > 0 && block_size <= (1 << 20), "fp8ops: ", op, ": block_size must be in [1, 2^20], got ",
+              block_size);
+  MxView v;
+  v.axis = axis < 0 ? axis + x.dim() : axis;
+  v.len = x.size(v.axis);
+  TORCH_CHECK(v.len % block_size == 0, "fp8ops: ", op, ": the length along axis ", axis, " (", v.len,
+              ") must be a multiple of block_size (", block_size, ")");
+  for (int64_t d = 0; d < v.axis; ++d) v.outer *= x.size(d);
+  for (int64_t d = v.axis + 1; d < x.dim(); ++d) v.inner *= x.size(d);
+  return v;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_mx_cuda(const at::Tensor& x, at::ScalarType dtype, int64_t block_size,
+                                                    int64_t axis, bool rceil) {
+  check_input(x, "x");
+  check_fp8_dtype(dtype, "dtype");
+  const MxView v = mx_view(x, block_size, axis, "quantize_mx");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous();
+  std::vector<int64_t> sshape(xc.sizes().begin(), xc.sizes().end());
+  sshape[v.axis] = v.len / block_size;
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  at::Tensor scales = at::empty(sshape, xc.options().dtype(at::kByte));
+  if (xc.numel() == 0) return {data, scales};
+  fp8ops::QuantizeMxParams p{};
+  p.x = xc.data_ptr();
+  p.x_dtype = to_dtype(xc.scalar_type());
+  p.outer = v.outer;
+  p.len = v.len;
+  p.inner = v.inner;
+  p.block_size = static_cast<int>(block_size);
+  p.out_dtype = to_dtype(dtype);
+  p.rceil = rceil;
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.scales = scales.data_ptr<uint8_t>();
+  fp8ops::launch_quantize_mx(p, stream_of(xc));
+  return {data, scales};
+}
+
+at::Tensor dequantize_mx_cuda(const at::Tensor& data, const at::Tensor& scales, int64_t block_size, int64_t axis,
+                              at::ScalarType out_dtype) {
+  check_fp8(data, "data");
+  check_cuda(scales, "scales");
+  check_same_device(data, scales, "data", "scales");
+  check_out_dtype(out_dtype);
+  TORCH_CHECK(scales.scalar_type() == at::kByte, "fp8ops: dequantize_mx: scales must be uint8 (E8M0 bytes), got ",
+              scales.scalar_type());
+  const MxView v = mx_view(data, block_size, axis, "dequantize_mx");
+  std::vector<int64_t> sshape(data.sizes().begin(), data.sizes().end());
+  sshape[v.axis] = v.len / block_size;
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef(sshape), "fp8ops: dequantize_mx: scales must have shape ",
+              at::IntArrayRef(sshape), " for data of shape ", data.sizes(), ", got ", scales.sizes());
+  c10::cuda::CUDAGuard guard(data.device());
+  at::Tensor dc = data.contiguous(), sc = scales.contiguous();
+  at::Tensor out = at::empty(dc.sizes(), dc.options().dtype(out_dtype));
+  if (dc.numel() == 0) return out;
+  fp8ops::DequantizeMxParams p{};
+  p.data = static_cast<const uint8_t*>(dc.data_ptr());
+  p.data_dtype = to_dtype(dc.scalar_type());
+  p.scales = sc.data_ptr<uint8_t>();
+  p.outer = v.outer;
+  p.len = v.len;
+  p.inner = v.inner;
+  p.block_size = static_cast<int>(block_size);
+  p.out = out.data_ptr();
+  p.out_dtype = to_dtype(out_dtype);
+  fp8ops::launch_dequantize_mx(p, stream_of(dc));
+  return out;
+}
+
+void check_block(int64_t block_rows, int64_t block_cols, const char* op) {
+  TORCH_CHECK(block_rows > 0 && block_cols > 0 && block_rows * block_cols <= (int64_t(1) << 24), "fp8ops: ", op,
+              ": block_rows and block_cols must be positive with at most 2^24 elements per block, got ",
+              block_rows, " x ", block_cols);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x, at::ScalarType dtype,
+                                                           int64_t block_rows, int64_t block_cols,
+                                                           bool power_of_two) {
+  check_input(x, "x");
+  check_fp8_dtype(dtype, "dtype");
+  check_block(block_rows, block_cols, "quantize_blockwise");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous();
+  auto [rows, cols] = rows_cols(xc);
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  at::Tensor scale_inv = at::empty({(rows + block_rows - 1) / block_rows, (cols + block_cols - 1) / block_cols},
+                                   xc.options().dtype(at::kFloat));
+  if (xc.numel() == 0) return {data, scale_inv};
+  fp8ops::QuantizeBlockwiseParams p{};
+  p.x = xc.data_ptr();
+  p.x_dtype = to_dtype(xc.scalar_type());
+  p.rows = rows;
+  p.cols = cols;
+  p.block_rows = static_cast<int>(block_rows);
+  p.block_cols = static_cast<int>(block_cols);
+  p.out_dtype = to_dtype(dtype);
+  p.power_of_two = power_of_two;
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.scale_inv = scale_inv.data_ptr<float>();
+  fp8ops::launch_quantize_blockwise(p, stream_of(xc));
+  return {data, scale_inv};
+}
+
+at::Tensor dequantize_blockwise_cuda(const at::Tensor& data, const at::Tensor& scale_inv, int64_t block_rows,
+                                     int64_t block_cols, at::ScalarType out_dtype) {
+  check_fp8(data, "data");
+  check_cuda(scale_inv, "scale_inv");
+  check_same_device(data, scale_inv, "data", "scale_inv");
+  check_out_dtype(out_dtype);
+  check_block(block_rows, block_cols, "dequantize_blockwise");
+  auto [rows, cols] = rows_cols(data);
+  const int64_t rb = (rows + block_rows - 1) / block_rows, cb = (cols + block_cols - 1) / block_cols;
+  TORCH_CHECK(scale_inv.dim() == 2 && scale_inv.size(0) == rb && scale_inv.size(1) == cb,
+              "fp8ops: dequantize_blockwise: scale_inv must have shape [", rb, ", ", cb, "] for data of shape ",
+              data.sizes(), " and blocks ", block_rows, "x", block_cols, ", got ", scale_inv.sizes());
+  TORCH_CHECK(scale_inv.is_floating_point(), "fp8ops: dequantize_blockwise: scale_inv must be floating point, got ",
+              scale_inv.scalar_type());
+  c10::cuda::CUDAGuard guard(data.device());
+  at::Tensor dc = data.contiguous(), sc = scale_inv.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(dc.sizes(), dc.options().dtype(out_dtype));
+  if (dc.numel() == 0) return out;
+  fp8ops::DequantizeBlockwiseParams p{};
+  p.data = static_cast<const uint8_t*>(dc.data_ptr());
+  p.data_dtype = to_dtype(dc.scalar_type());
+  p.rows = rows;
+  p.cols = cols;
+  p.block_rows = static_cast<int>(block_rows);
+  p.block_cols = static_cast<int>(block_cols);
+  p.scale_inv = sc.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_dtype = to_dtype(out_dtype);
+  fp8ops::launch_dequantize_blockwise(p, stream_of(dc));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update_cuda(
+    const at::Tensor& amax_history, const at::Tensor& scale, const at::Tensor& amax_rep,
+    const at::Tensor& pending_amax, const at::Tensor& step, double fp8_max, double margin, int64_t interval,
+    c10::string_view algo, double ema_alpha, double percentile, bool power_of_two) {
+  const char* op = "delayed_scale_update";
+  const std::pair<const at::Tensor*, const char*> f32s[] = {
+      {&amax_history, "amax_history"}, {&scale, "scale"}, {&amax_rep, "amax_rep"}, {&pending_amax, "pending_amax"}};
+  for (const auto& [t, name] : f32s) {
+    check_cuda(*t, name);
+    check_same_device(*t, amax_history, name, "amax_history");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "fp8ops: ", op, ": ", name, " must be float32, got ",
+                t->scalar_type());
+    TORCH_CHECK(t == &amax_history || t->numel() == 1, "fp8ops: ", op, ": ", name,
+                " must have one element, got shape ", t->sizes());
+  }
+  check_cuda(step, "step");
+  check_same_device(step, amax_history, "step", "amax_history");
+  TORCH_CHECK(!step.is_floating_point() && !step.is_complex() && step.scalar_type() != at::kBool &&
+                  step.numel() == 1,
+              "fp8ops: ", op, ": step must be a one-element integer tensor, got ", step.scalar_type(), " ",
+              step.sizes());
+  TORCH_CHECK(amax_history.dim() == 1 && amax_history.numel() >= 1 && amax_history.numel() <= fp8ops::kMaxHistory,
+              "fp8ops: ", op, ": amax_history must be 1-D with 1 to ", fp8ops::kMaxHistory,
+              " entries (the CUDA kernel sorts it in one block), got shape ", amax_history.sizes());
+  TORCH_CHECK(interval >= 1, "fp8ops: ", op, ": interval must be >= 1, got ", interval);
+  fp8ops::AmaxAlgo a;
+  if (algo == "max") a = fp8ops::AmaxAlgo::kMax;
+  else if (algo == "most_recent") a = fp8ops::AmaxAlgo::kMostRecent;
+  else if (algo == "ema") a = fp8ops::AmaxAlgo::kEma;
+  else if (algo == "percentile") a = fp8ops::AmaxAlgo::kPercentile;
+  else TORCH_CHECK(false, "fp8ops: ", op, ": unknown amax_compute_algo '", std::string(algo),
+                   "'; expected one of max, most_recent, ema, percentile");
+  c10::cuda::CUDAGuard guard(amax_history.device());
+  at::Tensor hist = amax_history.contiguous(), st = step.to(at::kLong).contiguous();
+  at::Tensor out_hist = at::empty_like(hist), out_scale = at::empty_like(scale),
+             out_scale_inv = at::empty_like(scale), out_rep = at::empty_like(amax_rep),
+             out_pending = at::empty_like(pending_amax);
+  fp8ops::DelayedScaleParams p{};
+  p.amax_history = hist.data_ptr<float>();
+  p.scale = scale.data_ptr<float>();  // one element: contiguous enough
+  p.amax_rep = amax_rep.data_ptr<float>();
+  p.pending_amax = pending_amax.data_ptr<float>();
+  p.step = st.data_ptr<int64_t>();
+  p.history_len = static_cast<int>(hist.numel());
+  p.interval = interval;
+  p.algo = a;
+  p.fp8_max = static_cast<float>(fp8_max);  // the emulation's torch.tensor(fp8_max, float32)
+  p.margin = static_cast<float>(margin);
+  p.ema_a = static_cast<float>(ema_alpha);
+  p.ema_b = static_cast<float>(1.0 - ema_alpha);  // difference in double, as in Python
+  p.percentile_q = percentile / 100.0;
+  p.power_of_two = power_of_two;
+  p.out_history = out_hist.data_ptr<float>();
+  p.out_scale = out_scale.data_ptr<float>();
+  p.out_scale_inv = out_scale_inv.data_ptr<float>();
+  p.out_amax_rep = out_rep.data_ptr<float>();
+  p.out_pending = out_pending.data_ptr<float>();
+  fp8ops::launch_delayed_scale_update(p, stream_of(hist));
+  return {out_hist, out_scale, out_scale_inv, out_rep, out_pending};
+}
 // ==== END cast bindings ====
 
 // ==== BEGIN gemm bindings (issue 4) ====
-bool has_cutlass_sm90() { return false; }
+bool has_cutlass_sm90() { return fp8ops::gemm_sm90_available(); }
+
+// Compute capability as major * 10 + minor, cached per device (read once, no sync).
+int device_cc(int dev) {
+  static std::atomic<int> cache[64];
+  TORCH_CHECK(dev >= 0 && dev < 64, "fp8ops: device index ", dev, " out of range");
+  int cc = cache[dev].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    int major = 0, minor = 0;
+    cudaError_t e1 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaError_t e2 = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    TORCH_CHECK(e1 == cudaSuccess && e2 == cudaSuccess, "fp8ops: cudaDeviceGetAttribute failed: ",
+                cudaGetErrorString(e1 != cudaSuccess ? e1 : e2));
+    cc = major * 10 + minor;
+    cache[dev].store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// The operand pairs the CUTLASS kernels are instantiated for: forward and gradient GEMMs.
+bool cutlass_pair(const at::Tensor& a, const at::Tensor& b) {
+  return b.scalar_type() == at::kFloat8_e4m3fn &&
+         (a.scalar_type() == at::kFloat8_e4m3fn || a.scalar_type() == at::kFloat8_e5m2);
+}
+
+// A [rows, cols] FP8 operand as TMA wants it: K-major, ld a multiple of 16, 16-byte aligned base,
+// zero-padded to [rows_pad, cols_pad]. Returns the input itself when it already qualifies.
+at::Tensor tma_operand(const at::Tensor& x, int64_t rows_pad, int64_t cols_pad) {
+  bool ok = x.size(0) == rows_pad && x.size(1) == cols_pad && x.stride(1) == 1 &&
+            x.stride(0) >= cols_pad && x.stride(0) % 16 == 0 &&
+            reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  if (ok) return x;
+  // Byte views: zero-fill and copy without relying on FP8 kernels for fill_/copy_.
+  at::Tensor out = at::zeros({rows_pad, cols_pad}, x.options().dtype(at::kByte));
+  out.narrow(0, 0, x.size(0)).narrow(1, 0, x.size(1)).copy_(x.view(at::kByte));
+  return out.view(x.scalar_type());
+}
+
+at::Tensor scalar_f32(const at::Tensor& s, const at::Tensor& like, const char* name) {
+  check_cuda(s, name);
+  TORCH_CHECK(s.device() == like.device(), "fp8ops: ", name, " must be on ", like.device());
+  TORCH_CHECK(s.numel() == 1, "fp8ops: ", name, " must hold one element, got shape ", s.sizes());
+  return s.to(at::kFloat).reshape({}).contiguous();
+}
+
+void check_gemm_args(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                     at::ScalarType out_dtype, const char* op) {
+  check_cuda(a, "a");
+  check_cuda(b, "b");
+  TORCH_CHECK(a.device() == b.device(), "fp8ops.", op, ": a and b must be on the same device");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8ops.", op, ": a [M,K] and b [N,K] must be 2-D, got ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(1) == b.size(1), "fp8ops.", op, ": K mismatch: a ", a.sizes(), ", b ", b.sizes());
+  TORCH_CHECK(is_fp8(a.scalar_type()) && is_fp8(b.scalar_type()), "fp8ops.", op,
+              ": a and b must be float8_e4m3fn or float8_e5m2, got ", a.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
+              "fp8ops.", op, ": out_dtype must be bfloat16, float16 or float32, got ", out_dtype);
+  if (bias) {
+    check_cuda(*bias, "bias");
+    TORCH_CHECK(bias->device() == a.device(), "fp8ops.", op, ": bias must be on ", a.device());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == b.size(0), "fp8ops.", op,
+                ": bias must have shape [N] = [", b.size(0), "], got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
+                    bias->scalar_type() == at::kHalf,
+                "fp8ops.", op, ": bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
+  }
+}
+
+// Float32 epilogue shared by the non-CUTLASS paths: (acc + bias) rounded once to out_dtype,
+// as the emulation does.
+at::Tensor finish(at::Tensor acc, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  if (bias) acc = acc + bias->to(at::kFloat);
+  return acc.to(out_dtype).contiguous();
+}
+
+// Output buffer whose leading dimension meets TMA's 16-byte rule; crop() returns [M, N] contiguous.
+struct PaddedOut {
+  at::Tensor buf;
+  int64_t m, n;
+  PaddedOut(int64_t rows, int64_t m_, int64_t n_, at::ScalarType dt, const at::Tensor& like) : m(m_), n(n_) {
+    int64_t per16 = 16 / static_cast<int64_t>(c10::elementSize(dt));
+    buf = at::empty({rows, round_up(n, per16)}, like.options().dtype(dt));
+  }
+  int64_t ld() const { return buf.size(1); }
+  at::Tensor crop() const {
+    if (buf.size(0) == m && buf.size(1) == n) return buf;
+    return buf.narrow(0, 0, m).narrow(1, 0, n).contiguous();
+  }
+};
+
+at::Tensor workspace(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
+                             const at::Tensor& sb, const std::optional<at::Tensor>& bias,
+                             at::ScalarType out_dtype, bool fast_accum) {
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1), Kp = round_up(K, 16);
+  at::Tensor ap = tma_operand(a, M, Kp), bp = tma_operand(b, N, Kp);  // zero K padding adds 0
+  at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  PaddedOut out(M, M, N, out_dtype, a);
+  fp8ops::GemmParams p{};
+  p.a = ap.data_ptr();
+  p.b = bp.data_ptr();
+  p.a_dtype = to_dtype(a.scalar_type());
+  p.b_dtype = to_dtype(b.scalar_type());
+  p.out_dtype = to_dtype(out_dtype);
+  p.m = M;
+  p.n = N;
+  p.k = Kp;
+  p.lda = ap.stride(0);
+  p.ldb = bp.stride(0);
+  p.ldd = out.ld();
+  p.a_scale_inv = sa.data_ptr<float>();
+  p.b_scale_inv = sb.data_ptr<float>();
+  p.bias = bias ? bias_f.data_ptr<float>() : nullptr;
+  p.d = out.buf.data_ptr();
+  p.fast_accum = fast_accum;
+  try {
+    size_t ws_bytes = fp8ops::gemm_sm90_workspace_size(p);
+    at::Tensor ws = workspace(ws_bytes, a);
+    p.workspace = ws_bytes ? ws.data_ptr() : nullptr;
+    p.workspace_bytes = ws_bytes;
+    fp8ops::launch_gemm_sm90(p, stream_of(a));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  return out.crop();
+}
+
+// cc 8.9 and 10.x+: cuBLASLt through at::_scaled_mm (mat2 must be column-major: b.t() of a
+// row-major b). K and N are padded to 16 as it requires. A bias is added here in float32 so the
+// result is rounded once, like the emulation (_scaled_mm would round before adding it).
+at::Tensor gemm_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
+                          const at::Tensor& sb, const std::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype, bool fast_accum) {
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  const int64_t Kp = round_up(K, 16), Np = round_up(N, 16);
+  at::Tensor ap = tma_operand(a, M, Kp), bp = tma_operand(b, Np, Kp);
+  at::ScalarType mm_dtype = bias ? at::kFloat : out_dtype;
+  at::Tensor out = at::_scaled_mm(ap, bp.t(), sa, sb, std::nullopt, std::nullopt, mm_dtype, fast_accum);
+  if (Np != N) out = out.narrow(1, 0, N);
+  return bias ? finish(out, bias, out_dtype) : out.contiguous();
+}
+
+at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                     const at::Tensor& b_scale_inv, const std::optional<at::Tensor>& bias,
+                     at::ScalarType out_dtype, bool fast_accum) {
+  check_gemm_args(a, b, bias, out_dtype, "gemm");
+  c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor sa = scalar_f32(a_scale_inv, a, "a_scale_inv");
+  at::Tensor sb = scalar_f32(b_scale_inv, a, "b_scale_inv");
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  if (M == 0 || N == 0 || K == 0)  // nothing to launch: the emulation's (0 * alpha) + bias
+    return finish(at::zeros({M, N}, a.options().dtype(at::kFloat)) * (sa * sb), bias, out_dtype);
+  const int cc = device_cc(a.device().index());
+  if (cc == 90 && cutlass_pair(a, b)) return gemm_cutlass_sm90(a, b, sa, sb, bias, out_dtype, fast_accum);
+  bool both_e5m2 = a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2;
+  if ((cc == 89 || cc >= 90) && !both_e5m2)  // cuBLASLt has no E5M2 x E5M2
+    return gemm_scaled_mm(a, b, sa, sb, bias, out_dtype, fast_accum);
+  // Anything else (E5M2 x E5M2): exact upcast and a float32 matmul, the emulation's arithmetic.
+  return finish(at::matmul(a.to(at::kFloat), b.to(at::kFloat).t()) * (sa * sb), bias, out_dtype);
+}
+
+// Per-element float32 scales of a blockwise operand: [R, Kb] (1x128) or [ceil(R/128), Kb]
+// (128x128) expanded to [R, K].
+at::Tensor expand_scales(const at::Tensor& s, int64_t rows, int64_t K) {
+  at::Tensor f = s.to(at::kFloat);
+  if (f.size(0) != rows) f = f.repeat_interleave(128, 0).narrow(0, 0, rows);
+  return f.repeat_interleave(128, 1).narrow(1, 0, K);
+}
+
+at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                               const at::Tensor& b_scale_inv, const std::optional<at::Tensor>& bias,
+                               at::ScalarType out_dtype) {
+  check_gemm_args(a, b, bias, out_dtype, "gemm_blockwise");
+  check_cuda(a_scale_inv, "a_scale_inv");
+  check_cuda(b_scale_inv, "b_scale_inv");
+  TORCH_CHECK(a_scale_inv.device() == a.device() && b_scale_inv.device() == a.device(),
+              "fp8ops.gemm_blockwise: a_scale_inv and b_scale_inv must be on ", a.device());
+  c10::cuda::CUDAGuard guard(a.device());
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1), Kb = (K + 127) / 128, Nb = (N + 127) / 128;
+  TORCH_CHECK(a_scale_inv.dim() == 2 && a_scale_inv.size(0) == M && a_scale_inv.size(1) == Kb,
+              "fp8ops.gemm_blockwise: a_scale_inv must be [M, ceil(K/128)] = [", M, ", ", Kb, "], got ",
+              a_scale_inv.sizes());
+  const bool per_row = b_scale_inv.dim() == 2 && b_scale_inv.size(0) == N;  // as the emulation decides
+  TORCH_CHECK(b_scale_inv.dim() == 2 && (per_row || b_scale_inv.size(0) == Nb) && b_scale_inv.size(1) == Kb,
+              "fp8ops.gemm_blockwise: b_scale_inv must be [N, Kb] = [", N, ", ", Kb,
+              "] (1x128) or [ceil(N/128), Kb] = [", Nb, ", ", Kb, "] (128x128), got ", b_scale_inv.sizes());
+  if (M == 0 || N == 0 || K == 0)  // nothing to accumulate: bias only, no launch
+    return finish(at::zeros({M, N}, a.options().dtype(at::kFloat)), bias, out_dtype);
+
+  if (device_cc(a.device().index()) != 90 || !cutlass_pair(a, b)) {
+    // Not Hopper (or an operand pair without a kernel): dequantize per block and matmul in
+    // float32. Mathematically the same sum; rounding differs from per-block promotion only by
+    // float32 summation order.
+    at::Tensor ad = a.to(at::kFloat) * expand_scales(a_scale_inv, M, K);
+    at::Tensor bd = b.to(at::kFloat) * expand_scales(b_scale_inv, N, K);
+    return finish(at::matmul(ad, bd.t()), bias, out_dtype);
+  }
+
+  // CUTLASS reads the A scales with TMA in the 128x128 configuration: M padded to 4 there.
+  const int64_t Mp = per_row ? M : round_up(M, 4), Kp = round_up(K, 16);
+  at::Tensor ap = tma_operand(a, Mp, Kp), bp = tma_operand(b, N, Kp);
+  // CUTLASS's sm90 blockwise mainloop takes MN-major scales: [Kb, M] and [Kb, N or Nb].
+  at::Tensor sfa = at::ones({Kb, Mp}, a.options().dtype(at::kFloat));
+  sfa.narrow(1, 0, M).copy_(a_scale_inv.t());
+  at::Tensor sfb = b_scale_inv.to(at::kFloat).t().contiguous();
+  // float16 has no kernel of its own: float32 out, rounded once to float16 below.
+  at::ScalarType kernel_dtype = out_dtype == at::kHalf ? at::kFloat : out_dtype;
+  at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  PaddedOut out(Mp, M, N, kernel_dtype, a);
+  fp8ops::GemmBlockwiseParams p{};
+  p.a = ap.data_ptr();
+  p.b = bp.data_ptr();
+  p.a_dtype = to_dtype(a.scalar_type());
+  p.b_dtype = to_dtype(b.scalar_type());
+  p.out_dtype = to_dtype(kernel_dtype);
+  p.m = Mp;
+  p.n = N;
+  p.k = Kp;
+  p.lda = ap.stride(0);
+  p.ldb = bp.stride(0);
+  p.ldd = out.ld();
+  p.a_scales = sfa.data_ptr<float>();
+  p.b_scales = sfb.data_ptr<float>();
+  p.b_scales_per_row = per_row;
+  p.bias = bias ? bias_f.data_ptr<float>() : nullptr;
+  p.d = out.buf.data_ptr();
+  try {
+    size_t ws_bytes = fp8ops::gemm_blockwise_sm90_workspace_size(p);
+    at::Tensor ws = workspace(ws_bytes, a);
+    p.workspace = ws_bytes ? ws.data_ptr() : nullptr;
+    p.workspace_bytes = ws_bytes;
+    fp8ops::launch_gemm_blockwise_sm90(p, stream_of(a));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  at::Tensor d = out.crop();
+  return kernel_dtype == out_dtype ? d : d.to(out_dtype);
+}
 // ==== END gemm bindings ====
 
 }  // namespace
@@ -59,8 +589,17 @@ bool has_cutlass_sm90() { return false; }
 TORCH_LIBRARY_IMPL(fp8ops, CUDA, m) {
   m.impl("amax", &amax_cuda);
   // ==== BEGIN cast registrations (issue 3) ====
+  m.impl("quantize", &quantize_cuda);
+  m.impl("dequantize", &dequantize_cuda);
+  m.impl("quantize_mx", &quantize_mx_cuda);
+  m.impl("dequantize_mx", &dequantize_mx_cuda);
+  m.impl("quantize_blockwise", &quantize_blockwise_cuda);
+  m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
+  m.impl("delayed_scale_update", &delayed_scale_update_cuda);
   // ==== END cast registrations ====
   // ==== BEGIN gemm registrations (issue 4) ====
+  m.impl("gemm", &gemm_cuda);
+  m.impl("gemm_blockwise", &gemm_blockwise_cuda);
   // ==== END gemm registrations ====
 }
 

@@ -1,4 +1,4 @@
-"""Runs every fp8ops cast op once on small CUDA tensors (odd sizes, misaligned views), for
+"""Runs every fp8ops cast and GEMM op once on small CUDA tensors (odd sizes, misaligned views), for
 compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck."""
 import torch
 
@@ -34,5 +34,18 @@ for algo in ("max", "most_recent", "ema", "percentile"):
         ops.delayed_scale_update(torch.rand(L, device="cuda"), torch.ones(1, device="cuda"),
                                  torch.tensor(1.0, device="cuda"), torch.tensor(3.0, device="cuda"),
                                  torch.tensor(4, device="cuda"), 448.0, 1.0, 1, algo, 0.1, 90.0, False)
+# GEMMs: odd M, N and K (padding paths), both operand pairs, bias or not, both B scale shapes
+s = torch.tensor(0.5, device="cuda")
+for m, n, k in [(1, 72, 200), (17, 1000, 1040), (300, 384, 512)]:
+    kb = -(-k // 128)
+    for a_dt in (F8, torch.float8_e5m2):
+        a = torch.randn(m, k, device="cuda").to(a_dt)
+        b = torch.randn(n, k, device="cuda").to(F8)
+        ops.gemm(a, b, s, s, torch.randn(n, device="cuda"), torch.bfloat16, False)
+        ops.gemm(a, b, s, s, None, torch.float32, True)
+        ops.gemm_blockwise(a, b, torch.rand(m, kb, device="cuda"),
+                           torch.rand(-(-n // 128), kb, device="cuda"), None, torch.float32)
+        ops.gemm_blockwise(a, b, torch.rand(m, kb, device="cuda"), torch.rand(n, kb, device="cuda"),
+                           torch.randn(n, device="cuda"), torch.bfloat16)
 torch.cuda.synchronize()
-print("sanitize_ops: all cast ops ran")
+print("sanitize_ops: every cast and GEMM op ran")

@@ -1,0 +1,106 @@
+// Delayed-scaling update: one block, no host sync, CUDA-graph safe. Bit-exact with
+// fp8ops/_emulation.delayed_scale_update (roll the history, reduce it by algo, new scale).
+#include <cfloat>
+
+#include "common.cuh"
+
+namespace fp8ops {
+namespace {
+
+constexpr int kThreads = kMaxHistory;  // one history slot per thread
+
+// Total-order key for sorting floats ascending with NaN last (as torch.sort).
+__device__ __forceinline__ uint32_t sort_key(float v) {
+  uint32_t b = __float_as_uint(v);
+  if (isnan(v)) return 0xffffffffu;
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float from_sort_key(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+
+// NaN-propagating max (as torch.amax).
+__device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || a > b) ? a : b; }
+
+// As _emulation.scale_from_amax.
+__device__ float scale_from_amax(float amax, float prev, float fp8_max, float margin, bool power_of_two) {
+  if (amax == 0.0f || !isfinite(amax)) return prev;
+  float s = __fdiv_rn(fp8_max, __fmul_rn(amax, margin));
+  if (isinf(s)) s = FLT_MAX;
+  if (s == 0.0f) s = FLT_MIN;
+  if (power_of_two && isfinite(s)) s = exp2i(min(max(floor_log2(fabsf(s)), -149), 127));
+  return s;
+}
+
+__global__ void __launch_bounds__(kThreads) delayed_scale_kernel(DelayedScaleParams p) {
+  __shared__ uint32_t keys[kThreads];
+  __shared__ float red[kThreads / 32];
+  const int t = threadIdx.x, L = p.history_len;
+  const int64_t step = *p.step;
+  // Python floor division / modulo
+  int64_t n_updates = step / p.interval;
+  if ((step % p.interval != 0) && ((step < 0) != (p.interval < 0))) --n_updates;
+  const bool update = step - n_updates * p.interval == 0;
+
+  // rolled history: slot 0 = pending amax, slot k = old slot k - 1
+  const float h = t < L ? (t == 0 ? *p.pending_amax : p.amax_history[t - 1]) : 0.0f;
+  if (t < L) p.out_history[t] = update ? h : p.amax_history[t];
+
+  float rep = 0.0f;
+  const float h0 = *p.pending_amax, rep_prev = *p.amax_rep;
+  switch (p.algo) {
+    case AmaxAlgo::kMostRecent: rep = h0; break;
+    case AmaxAlgo::kEma:
+      rep = n_updates <= 1 ? h0 : __fadd_rn(__fmul_rn(p.ema_a, h0), __fmul_rn(p.ema_b, rep_prev));
+      break;
+    case AmaxAlgo::kMax: {
+      float m = t < L ? h : -INFINITY;
+      for (int o = 16; o > 0; o >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (t % 32 == 0) red[t / 32] = m;
+      __syncthreads();
+      m = red[0];
+      for (int w = 1; w < kThreads / 32; ++w) m = nan_max(m, red[w]);
+      rep = m;
+      break;
+    }
+    case AmaxAlgo::kPercentile: {
+      // bitonic sort of the L slots (padding sorts last), then nearest rank over the top n
+      keys[t] = t < L ? sort_key(h) : 0xffffffffu;
+      __syncthreads();
+      for (int size = 2; size <= kThreads; size <<= 1) {
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+          const int u = t ^ stride;
+          if (u > t) {
+            const uint32_t a = keys[t], b = keys[u];
+            if ((a > b) == ((t & size) == 0)) keys[t] = b, keys[u] = a;
+          }
+          __syncthreads();
+        }
+      }
+      const int64_t n = min(max(n_updates, int64_t(1)), int64_t(L));
+      int64_t rank = int64_t(ceil(__dmul_rn(p.percentile_q, double(n))));
+      rank = min(max(rank, int64_t(1)), int64_t(L));
+      rep = from_sort_key(keys[L - n + rank - 1]);
+      break;
+    }
+  }
+  if (t != 0) return;
+  const float prev_scale = *p.scale;
+  const float s = update ? scale_from_amax(rep, prev_scale, p.fp8_max, p.margin, p.power_of_two) : prev_scale;
+  *p.out_scale = s;
+  *p.out_scale_inv = __frcp_rn(s);
+  *p.out_amax_rep = update ? rep : rep_prev;
+  *p.out_pending = update ? 0.0f : *p.pending_amax;
+}
+
+}  // namespace
+
+void launch_delayed_scale_update(const DelayedScaleParams& p, cudaStream_t stream) {
+  if (p.history_len < 1 || p.history_len > kMaxHistory)
+    throw std::invalid_argument("fp8ops: delayed_scale_update: history length must be in [1, 1024]");
+  if (p.interval == 0) throw std::invalid_argument("fp8ops: delayed_scale_update: interval must be nonzero");
+  delayed_scale_kernel<<<1, kThreads, 0, stream>>>(p);
+  FP8OPS_CHECK_LAUNCH();
+}
+
+}  // namespace fp8ops
