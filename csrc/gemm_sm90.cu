@@ -13,11 +13,6 @@ namespace {
 
 using sm90::TileConfig;
 
-template <class T>
-struct Tag {
-  using type = T;
-};
-
 // Multiprocessor count per device, cached: it sizes the persistent grid on every call.
 int sm_count() {
   static std::atomic<int> cache[64];
@@ -77,9 +72,9 @@ TileConfig pick_tile(const GemmParams& p, int sms) {
 template <DType A, DType B, DType D, class F>
 void by_tile(TileConfig c, F&& f) {
   if (c == TileConfig::kCooperative128x128)
-    f(Tag<sm90::GemmSm90<A, B, D, TileConfig::kCooperative128x128>>{});
+    f(Type<sm90::GemmSm90<A, B, D, TileConfig::kCooperative128x128>>{});
   else
-    f(Tag<sm90::GemmSm90<A, B, D, TileConfig::kPingpong64x128>>{});
+    f(Type<sm90::GemmSm90<A, B, D, TileConfig::kPingpong64x128>>{});
 }
 
 template <DType A, DType B, class F>
@@ -105,9 +100,9 @@ void dispatch_gemm(const GemmParams& p, TileConfig c, F&& f) {
 template <DType A, DType B, DType D, class F>
 void by_gran(bool per_row, F&& f) {
   if (per_row)
-    f(Tag<sm90::GemmBlockwiseSm90<A, B, D, 1>>{});
+    f(Type<sm90::GemmBlockwiseSm90<A, B, D, 1>>{});
   else
-    f(Tag<sm90::GemmBlockwiseSm90<A, B, D, 128>>{});
+    f(Type<sm90::GemmBlockwiseSm90<A, B, D, 128>>{});
 }
 
 template <DType A, DType B, class F>

@@ -2,47 +2,13 @@
 // written against cudaMemcpy of the same bytes, random bf16 data (never zeros), L2 flushed by a
 // 256 MB write before each run, median of CUDA-event-timed runs.
 //   ./bench_cast [rows] [cols]
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 
-#include "common.cuh"
+#include "bench_util.cuh"
 
-namespace {
-
-__global__ void fill_random(__nv_bfloat16* x, int64_t n, unsigned seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    x[i] = __float2bfloat16((float)(h & 0xffff) / 65536.0f * 8.0f - 4.0f + 1e-3f);
-  }
-}
-
-template <typename F>
-float median_ms(F&& f, void* flush, size_t flush_bytes, int iters = 30) {
-  cudaEvent_t a, b;
-  FP8OPS_CUDA_CHECK(cudaEventCreate(&a));
-  FP8OPS_CUDA_CHECK(cudaEventCreate(&b));
-  f();  // warm-up
-  std::vector<float> t;
-  for (int i = 0; i < iters; ++i) {
-    FP8OPS_CUDA_CHECK(cudaMemsetAsync(flush, i, flush_bytes));
-    FP8OPS_CUDA_CHECK(cudaEventRecord(a));
-    f();
-    FP8OPS_CUDA_CHECK(cudaEventRecord(b));
-    FP8OPS_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms;
-    FP8OPS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  FP8OPS_CUDA_CHECK(cudaEventDestroy(a));
-  FP8OPS_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-}  // namespace
+using bench::fill_random;
+using bench::median_ms;
 
 int main(int argc, char** argv) {
   const int64_t rows = argc > 1 ? std::atoll(argv[1]) : 32768, cols = argc > 2 ? std::atoll(argv[2]) : 8192;

@@ -2,23 +2,12 @@
 // random data filled on the device (never zeros), L2 flushed before every run, median of many
 // CUDA-event-timed runs. Fast and promoted accumulation, and the blockwise-scaled GEMM.
 //   ./bench_gemm [M N K]        (default 8192 8192 8192)
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 
-#include "common.cuh"
+#include "bench_util.cuh"
 
 namespace {
-
-__global__ void fill_random_e4m3(__nv_fp8_e4m3* x, int64_t n, unsigned seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    x[i] = __nv_fp8_e4m3((float)(h & 0xffff) / 65536.0f * 8.0f - 4.0f);
-  }
-}
 
 __global__ void fill_value(float* x, int64_t n, float v) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
@@ -26,31 +15,10 @@ __global__ void fill_value(float* x, int64_t n, float v) {
     x[i] = v;
 }
 
-// Median over `iters` runs of f, each after an L2 flush (a 256 MiB memset, not timed).
-template <typename F>
-float median_ms(F&& f, void* flush, size_t flush_bytes, int iters = 50) {
-  cudaEvent_t a, b;
-  FP8OPS_CUDA_CHECK(cudaEventCreate(&a));
-  FP8OPS_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();  // warm-up
-  std::vector<float> t;
-  for (int i = 0; i < iters; ++i) {
-    FP8OPS_CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-    FP8OPS_CUDA_CHECK(cudaEventRecord(a));
-    f();
-    FP8OPS_CUDA_CHECK(cudaEventRecord(b));
-    FP8OPS_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms;
-    FP8OPS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  FP8OPS_CUDA_CHECK(cudaEventDestroy(a));
-  FP8OPS_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 }  // namespace
+
+using bench::fill_random;
+using bench::median_ms;
 
 int main(int argc, char** argv) {
   const int64_t M = argc > 3 ? std::atoll(argv[1]) : 8192;
@@ -84,9 +52,9 @@ int main(int argc, char** argv) {
   FP8OPS_CUDA_CHECK(cudaMalloc(&sfa, Kb * M * sizeof(float)));
   FP8OPS_CUDA_CHECK(cudaMalloc(&sfb, Kb * Nb * sizeof(float)));
   FP8OPS_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
-  fill_random_e4m3<<<1024, 256>>>(a, M * K, 1234u);
+  fill_random<<<1024, 256>>>(a, M * K, 1234u);
   FP8OPS_CHECK_LAUNCH();
-  fill_random_e4m3<<<1024, 256>>>(b, N * K, 5678u);
+  fill_random<<<1024, 256>>>(b, N * K, 5678u);
   FP8OPS_CHECK_LAUNCH();
   fill_value<<<1, 32>>>(scales, 2, 0.5f);
   FP8OPS_CHECK_LAUNCH();
@@ -137,11 +105,11 @@ int main(int argc, char** argv) {
   const double tflop = 2.0 * M * N * K / 1e12;
   for (bool fast : {true, false}) {
     p.fast_accum = fast;
-    float ms = median_ms([&] { fp8ops::launch_gemm_sm90(p, 0); }, flush, flush_bytes);
+    float ms = median_ms([&] { fp8ops::launch_gemm_sm90(p, 0); }, flush, flush_bytes, 50, 5);
     std::printf("gemm_sm90 e4m3 x e4m3 -> bf16 %lldx%lldx%lld, %s accumulation: %.3f ms, %.1f TFLOP/s\n",
                 (long long)M, (long long)N, (long long)K, fast ? "fast" : "promoted", ms, tflop / (ms * 1e-3));
   }
-  float ms = median_ms([&] { fp8ops::launch_gemm_blockwise_sm90(q, 0); }, flush, flush_bytes);
+  float ms = median_ms([&] { fp8ops::launch_gemm_blockwise_sm90(q, 0); }, flush, flush_bytes, 50, 5);
   std::printf("gemm_blockwise_sm90 (1x128 x 128x128 scales) %lldx%lldx%lld: %.3f ms, %.1f TFLOP/s\n",
               (long long)M, (long long)N, (long long)K, ms, tflop / (ms * 1e-3));
   FP8OPS_CUDA_CHECK(cudaDeviceSynchronize());
