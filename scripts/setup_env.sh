@@ -10,12 +10,21 @@ pip install -q --disable-pip-version-check "torch==2.14.1" numpy ml_dtypes pytes
 pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"  # headers only
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-echo "fp8ops: building (MAX_JOBS=$MAX_JOBS; log in build/setup.log)"
 mkdir -p build
+# The editable install serves Python changes live; rebuild only when the C++/CUDA sources, the
+# build files or the build switches changed since the last successful build.
+stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)-${FP8OPS_SKIP_CUDA_BUILD:-0}-${CUDA_HOME:-}
+so_count() { ls fp8ops/_C*.so 2>/dev/null | wc -l; }
+if [ "$(cat build/.stamp 2>/dev/null)" = "$stamp-$(so_count)" ] && python -c "import fp8ops" 2>/dev/null; then
+  echo "fp8ops: build is up to date ($(ls fp8ops/_C*.so 2>/dev/null || echo 'pure Python'))"
+  exit 0
+fi
+echo "fp8ops: building (MAX_JOBS=$MAX_JOBS; log in build/setup.log)"
 start=$(date +%s)
 if ! pip install --disable-pip-version-check --no-build-isolation --no-deps -e . > build/setup.log 2>&1; then
   tail -n 60 build/setup.log
   echo "fp8ops: build failed (full log: build/setup.log)" >&2
   exit 1
 fi
+echo "$stamp-$(so_count)" > build/.stamp
 echo "fp8ops: built in $(( $(date +%s) - start )) s; extension: $(ls fp8ops/_C*.so 2>/dev/null || echo 'none (pure Python)')"
