@@ -62,14 +62,13 @@ def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 class PerTensorLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv, fmts, state,
-                stochastic):
-        fwd, bwd = fmts
+    def forward(ctx, x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv, recipe, state):
+        fwd, bwd = recipe_formats(recipe)
         xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
         x_scale_inv = torch.reciprocal(x_scale)
         y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
-        ctx.bwd, ctx.state, ctx.stochastic, ctx.x_dtype = bwd, state, stochastic, x2.dtype
+        ctx.recipe, ctx.bwd, ctx.state, ctx.x_dtype = recipe, bwd, state, x2.dtype
         ctx.mark_non_differentiable(x_amax)
         return y, x_amax
 
@@ -77,19 +76,20 @@ class PerTensorLinear(torch.autograd.Function):
     def backward(ctx, dy, _):
         xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias = ctx.saved_tensors
         state: Optional[ScalingState] = ctx.state
+        recipe = ctx.recipe
         dy2 = dy.contiguous()
         if state is not None and state.delayed:
             if state.recording:
-                state.grad.update(state.recipe, ctx.bwd)
+                state.grad.update(recipe, ctx.bwd)
             g_scale = state.grad.scale.clone()
         else:
-            margin = getattr(state.recipe, "margin", 1.0) if state is not None else 1.0
-            g_scale = current_scale(_ops.amax(dy2), ctx.bwd, margin)
-        seed, offset = state.next_rng() if ctx.stochastic else (0, 0)
-        gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, ctx.stochastic,
-                                         seed, offset)
+            g_scale = current_scale(_ops.amax(dy2), ctx.bwd, recipe.margin, recipe.power_of_two)
+        stochastic = recipe.grad_rounding == "stochastic"
+        seed, offset = state.next_rng() if stochastic else (0, 0)
+        gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, stochastic, seed,
+                                         offset)
         if state is not None and state.delayed and state.recording:
-            state.grad.record(g_amax, state.recipe.process_group)
+            state.grad.record(g_amax, recipe.process_group)
         g_scale_inv = torch.reciprocal(g_scale)
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -98,12 +98,7 @@ class PerTensorLinear(torch.autograd.Function):
             dw = _wgrad_out(weight, _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv, None, _F32,
                                               False))
         db = _bias_grad(dy2, bias, ctx.needs_input_grad[2])
-        return dx, dw, db, None, None, None, None, None, None, None
-
-
-@torch.no_grad()
-def _no_grad(fn, *args):
-    return fn(*args)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 @torch.no_grad()
@@ -113,7 +108,7 @@ def _cast_weight(weight, state: Optional[ScalingState], cast):
 
 
 def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
-    fwd, bwd = recipe_formats(recipe)
+    fwd, _ = recipe_formats(recipe)
     delayed = state is not None and state.delayed
     live = _live(state)
 
@@ -136,13 +131,12 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
             state.input.update(recipe, fwd)
         x_scale = state.input.scale.clone()
     else:
-        x_scale = _no_grad(current_scale, _ops.amax(x2), fwd, recipe.margin, recipe.power_of_two)
-    stochastic = recipe.grad_rounding == "stochastic"
-    if stochastic and state is None:
+        x_scale = current_scale(_ops.amax(x2), fwd, recipe.margin, recipe.power_of_two)
+    if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
                          "carry the random seed and offset")
     y, x_amax = PerTensorLinear.apply(x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv,
-                                      (fwd, bwd), state, stochastic)
+                                      recipe, state)
     if live:
         state.input.record(x_amax, recipe.process_group)
     return y

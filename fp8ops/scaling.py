@@ -27,7 +27,10 @@ MAX_HISTORY = 1024  # the CUDA scale-update kernel sorts the history in one bloc
 
 
 def _check_fmt(name, value):
-    get_format(value)  # raises ValueError naming the bad format
+    try:
+        get_format(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _check_rounding(value):
@@ -260,7 +263,7 @@ class ScalingState(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe}"
+        return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
 
 
 def recipe_formats(recipe):

@@ -1,4 +1,6 @@
 """Training semantics of the FP8 linear autograd (DESIGN.md section 7)."""
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -114,3 +116,14 @@ def test_stochastic_grad_rounding_advances_offset():
     lin(x).backward(dy)
     assert lin.fp8_state.rng_offset == 2
     assert not torch.equal(g1, lin.weight.grad)  # a new random stream for the second step
+
+
+def test_power_of_two_scales_for_every_cast():
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    x = torch.randn(8, 32, requires_grad=True) * 3.3
+    with OpLog() as log:
+        fp8ops.linear(x, w, recipe=fp8ops.CurrentScaling(power_of_two=True)).backward(
+            torch.randn(8, 16))
+    scales = [args[1].item() for name, args in log.calls if name == "quantize"]
+    assert len(scales) == 3  # weight, input, grad_output
+    assert all(math.log2(s).is_integer() for s in scales), scales
