@@ -32,7 +32,7 @@ MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 def _bytes_equal(a, b):
     assert a.shape == b.shape, (a.shape, b.shape)
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    ua, ub = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    ua, ub = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
     if not torch.equal(ua, ub):
         bad = (ua != ub).nonzero()
         raise AssertionError(f"{bad.shape[0]} bytes differ, first at {bad[:5].tolist()}: "
@@ -44,8 +44,8 @@ def _float_equal(a, b):
     assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
     na, nb = torch.isnan(a.float()), torch.isnan(b.float())
     assert torch.equal(na, nb), "NaN positions differ"
-    ia = a.masked_fill(na, 0).contiguous().view(torch.uint8)
-    ib = b.masked_fill(nb, 0).contiguous().view(torch.uint8)
+    ia = a.masked_fill(na, 0).reshape(-1).view(torch.uint8)  # reshape: 0-d cannot be viewed
+    ib = b.masked_fill(nb, 0).reshape(-1).view(torch.uint8)
     assert torch.equal(ia, ib), f"values differ: {(a.float() - b.float()).abs().max().item()}"
 
 
