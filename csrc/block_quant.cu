@@ -14,29 +14,7 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-__device__ __forceinline__ bool bits_nonfinite(unsigned abs_bits) { return abs_bits >= 0x7f800000u; }
-
-// ---- MXFP8 --------------------------------------------------------------------------------------
-struct MxScale {
-  float mul;     // 2^-e
-  uint8_t byte;  // e + 127, or 0xFF for a block holding NaN / inf
-  bool bad;
-};
-
-// E8M0 exponent from the block's max |x| (as bits), as _emulation.mx_exponent.
-template <Fp8 F>
-__device__ __forceinline__ MxScale mx_scale(unsigned amax_bits, bool rceil) {
-  if (bits_nonfinite(amax_bits)) return {0.0f, 0xFF, true};
-  int e = -127;  // amax 0
-  if (amax_bits) {
-    e = floor_log2(__uint_as_float(amax_bits)) - Fp8Traits<F>::kEmax;
-    // RCEIL: one more when the significand exceeds max / 2^emax = 1.75 (subnormal amax clamps anyway)
-    if (rceil && (amax_bits & 0x7fffffu) > 0x600000u) ++e;
-    e = min(max(e, -127), 127);
-  }
-  return {exp2i(-e), uint8_t(e + 127), false};
-}
-
+// ---- MXFP8 (the scale: mx_scale in common.cuh) ---------------------------------------------------
 template <Fp8 F>
 __device__ __forceinline__ uint8_t mx_quant(float v, const MxScale& s) {
   return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.mul));
@@ -90,10 +68,6 @@ __global__ void mx_strided_kernel(QuantizeMxParams p, int64_t n_blocks) {
   }
 }
 
-__device__ __forceinline__ float e8m0_to_float(uint8_t b) {
-  return b == 0xFF ? __uint_as_float(0x7fc00000u) : exp2i(int(b) - 127);
-}
-
 template <Fp8 F, typename T>
 __global__ void dequantize_mx_kernel(DequantizeMxParams p, int64_t n) {
   T* __restrict__ out = static_cast<T*>(p.out);
@@ -111,34 +85,7 @@ __global__ void dequantize_mx_kernel(DequantizeMxParams p, int64_t n) {
   }
 }
 
-// ---- blockwise ----------------------------------------------------------------------------------
-struct BlockScale {
-  float scale, scale_inv;
-  bool bad;
-};
-
-// As _emulation.blockwise_scales run on CUDA tensors: there `amax / max` (a CPU scalar divisor)
-// is computed by torch as amax * (1 / max), and `max / amax` as reciprocal(amax) * max.
-template <Fp8 F>
-__device__ __forceinline__ BlockScale block_scale(unsigned amax_bits, bool power_of_two) {
-  constexpr float kMax = Fp8Traits<F>::kMax;
-  if (bits_nonfinite(amax_bits)) return {1.0f, __uint_as_float(0x7fc00000u), true};
-  if (amax_bits == 0) return {1.0f, 1.0f, false};
-  const float a = __uint_as_float(amax_bits);
-  float scale_inv = __fdiv_rn(a, kMax);  // one correctly rounded division each, as the emulation
-  float scale = __fdiv_rn(kMax, a);
-  if (power_of_two) {  // round scale_inv up to a power of two (frexp(0) gives exponent 0)
-    int e = 0;
-    if (scale_inv != 0.0f) {
-      const int fl = floor_log2(scale_inv);
-      e = min(max(scale_inv == exp2i(fl) ? fl : fl + 1, -149), 127);
-    }
-    scale_inv = exp2i(e);
-    scale = __frcp_rn(scale_inv);
-  }
-  return {scale, scale_inv, false};
-}
-
+// ---- blockwise (the scales: block_scale in common.cuh) ---------------------------------------------
 // G threads (a warp or the whole block) per tile: pass 1 the tile's amax, pass 2 the data.
 template <typename T, Fp8 F, int G>
 __global__ void __launch_bounds__(kThreads) blockwise_kernel(QuantizeBlockwiseParams p, int64_t tiles,
@@ -238,11 +185,14 @@ void launch_quantize_blockwise(const QuantizeBlockwiseParams& p, cudaStream_t st
     dispatch_fp8(p.out_dtype, [&](auto fmt) {
       constexpr Fp8 F = decltype(fmt)::value;
       // big tiles (128x128) get a whole block each; small ones (1x128) a warp each
-      if (int64_t(p.block_rows) * p.block_cols >= 2048) {
-        blockwise_kernel<T, F, kThreads><<<unsigned(tiles), kThreads, 0, stream>>>(p, tiles, tiles_c);
+      const bool big = int64_t(p.block_rows) * p.block_cols >= 2048;
+      const int64_t per = big ? 1 : kThreads / 32, grid = (tiles + per - 1) / per;
+      if (grid > 0x7fffffff)  // one launch, no grid-stride loop: a larger grid would be truncated
+        throw std::invalid_argument("fp8ops: quantize_blockwise: too many blocks for one launch");
+      if (big) {
+        blockwise_kernel<T, F, kThreads><<<unsigned(grid), kThreads, 0, stream>>>(p, tiles, tiles_c);
       } else {
-        const int64_t per = kThreads / 32;
-        blockwise_kernel<T, F, 32><<<unsigned((tiles + per - 1) / per), kThreads, 0, stream>>>(p, tiles, tiles_c);
+        blockwise_kernel<T, F, 32><<<unsigned(grid), kThreads, 0, stream>>>(p, tiles, tiles_c);
       }
       FP8OPS_CHECK_LAUNCH();
     });

@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -25,6 +26,79 @@
 
 namespace fp8ops {
 
+// ---- IEEE float32 arithmetic and bit casts, callable from host and device -----------------------
+// The scalar helpers below are __host__ __device__ so tests/csrc/host_check.cu can check them
+// against fp8ops/_emulation.py without a GPU. On the device these are the round-to-nearest
+// intrinsics (never contracted into an FMA); on the host they are plain IEEE float32 operations
+// (x86-64 SSE, no fast-math; the volatile keeps a host compiler from contracting them).
+__host__ __device__ __forceinline__ float bits_as_float(uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(b);
+#else
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t float_as_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t b;
+  memcpy(&b, &f, 4);
+  return b;
+#endif
+}
+__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  volatile float r = a * b;
+  return r;
+#endif
+}
+__host__ __device__ __forceinline__ float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  volatile float r = a + b;
+  return r;
+#endif
+}
+__host__ __device__ __forceinline__ float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  volatile float r = a - b;
+  return r;
+#endif
+}
+__host__ __device__ __forceinline__ float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  volatile float r = a / b;
+  return r;
+#endif
+}
+__host__ __device__ __forceinline__ float rcp_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return __frcp_rn(a);
+#else
+  volatile float r = 1.0f / a;
+  return r;
+#endif
+}
+__host__ __device__ __forceinline__ double dmul_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  volatile double r = a * b;
+  return r;
+#endif
+}
+__host__ __device__ __forceinline__ int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
 // Input element -> float32 (exact for all three input types).
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
@@ -38,7 +112,7 @@ __device__ __forceinline__ float to_float<__half>(__half v) { return __half2floa
 // |v| as ordered bits: for non-negative floats (NaN included, sign cleared) unsigned comparison
 // of the bit patterns orders like the values and puts NaN above +inf, so atomicMax on the bits
 // is a NaN-propagating float max.
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+__host__ __device__ __forceinline__ unsigned abs_bits(float v) { return float_as_bits(v) & 0x7fffffffu; }
 
 template <typename T>
 struct Type {
@@ -77,21 +151,22 @@ struct Fp8Traits<Fp8::kE5M2> {
 constexpr uint8_t kNanByte = 0x7F;  // canonical FP8 NaN (what the emulation writes for any NaN)
 
 // float32 -> FP8 byte: saturate to +-max, round to nearest even, NaN -> 0x7F (cvt.rn.satfinite).
+// On the host (tests only) these run cuda_fp8.hpp's software conversions, not the PTX instruction.
 template <Fp8 F>
-__device__ __forceinline__ uint8_t to_fp8(float y) {
+__host__ __device__ __forceinline__ uint8_t to_fp8(float y) {
   uint8_t q = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, Fp8Traits<F>::kInterp);
   return isnan(y) ? kNanByte : q;
 }
 // Two at a time (one cvt instruction); a lands in the low byte.
 template <Fp8 F>
-__device__ __forceinline__ uint16_t to_fp8x2(float a, float b) {
+__host__ __device__ __forceinline__ uint16_t to_fp8x2(float a, float b) {
   uint16_t q = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Fp8Traits<F>::kInterp);
   if (isnan(a)) q = (q & 0xff00u) | kNanByte;
   if (isnan(b)) q = (q & 0x00ffu) | (kNanByte << 8);
   return q;
 }
 template <Fp8 F>
-__device__ __forceinline__ float fp8_to_float(uint8_t b) {
+__host__ __device__ __forceinline__ float fp8_to_float(uint8_t b) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, Fp8Traits<F>::kInterp)));
 }
 
@@ -161,10 +236,10 @@ struct RandomWords {
   uint32_t off_lo, off_hi;
   int64_t j = -1;
   uint4 r;
-  __device__ RandomWords(uint64_t seed, uint64_t offset)
+  __host__ __device__ RandomWords(uint64_t seed, uint64_t offset)
       : key(make_uint2(uint32_t(seed), uint32_t(seed >> 32))),
         off_lo(uint32_t(offset)), off_hi(uint32_t(offset >> 32)) {}
-  __device__ __forceinline__ uint32_t operator()(int64_t i) {
+  __host__ __device__ __forceinline__ uint32_t operator()(int64_t i) {
     if ((i >> 2) != j) {
       j = i >> 2;
       r = philox4x32_10(make_uint4(uint32_t(j), uint32_t(uint64_t(j) >> 32), off_lo, off_hi), key);
@@ -174,22 +249,137 @@ struct RandomWords {
   }
 };
 
-// Stochastic rounding of scaled y to FP8 (DESIGN.md section 4), given the element's random word.
+// Stochastic rounding of scaled y (DESIGN.md section 4), given the element's random word: the
+// result as float32, an exact FP8 value (or NaN, or y itself for a signed zero).
+template <Fp8 F>
+__host__ __device__ __forceinline__ float stochastic_value(float y, uint32_t rnd) {
+  using Tr = Fp8Traits<F>;
+  if (isnan(y)) return y;
+  y = fminf(fmaxf(y, -Tr::kMax), Tr::kMax);
+  const float a = fabsf(y);
+  if (a == 0.0f) return y;  // keeps the sign of zero
+  const int fl = floor_log2(a);
+  const int ue = (fl > Tr::kEmin ? fl : Tr::kEmin) - Tr::kMbits;
+  const float k = mul_rn(a, exp2i(-ue));  // a / ulp, exact
+  const float fk = floorf(k);
+  const float u = mul_rn(float(rnd >> 8), 0x1p-24f);
+  const float up = sub_rn(k, fk) > u ? 1.0f : 0.0f;
+  const float mag = fminf(mul_rn(add_rn(fk, up), exp2i(ue)), Tr::kMax);
+  return copysignf(mag, y);
+}
 template <Fp8 F>
 __device__ __forceinline__ uint8_t to_fp8_stochastic(float y, uint32_t rnd) {
-  using Tr = Fp8Traits<F>;
   if (isnan(y)) return kNanByte;
-  y = fminf(fmaxf(y, -Tr::kMax), Tr::kMax);
-  float a = fabsf(y);
-  if (a == 0.0f) return to_fp8<F>(y);  // keeps the sign of zero
-  int ue = max(floor_log2(a), Tr::kEmin) - Tr::kMbits;
-  float k = __fmul_rn(a, exp2i(-ue));  // a / ulp, exact
-  float fk = floorf(k);
-  float u = __fmul_rn(float(rnd >> 8), 0x1p-24f);
-  float up = __fsub_rn(k, fk) > u ? 1.0f : 0.0f;
-  float mag = fminf(__fmul_rn(__fadd_rn(fk, up), exp2i(ue)), Tr::kMax);
-  return to_fp8<F>(copysignf(mag, y));  // exact: mag is an FP8 value
+  return to_fp8<F>(stochastic_value<F>(y, rnd));  // exact: an FP8 value
 }
+
+// ---- MXFP8 scale (DESIGN.md section 5; _emulation.mx_exponent) -------------------------------
+struct MxScale {
+  float mul;     // 2^-e
+  uint8_t byte;  // e + 127, or 0xFF for a block holding NaN / inf
+  bool bad;
+};
+__host__ __device__ __forceinline__ bool bits_nonfinite(uint32_t abs_bits) { return abs_bits >= 0x7f800000u; }
+
+// E8M0 scale from the block's max |x| (as bits, sign cleared).
+template <Fp8 F>
+__host__ __device__ __forceinline__ MxScale mx_scale(uint32_t amax_bits, bool rceil) {
+  if (bits_nonfinite(amax_bits)) return {0.0f, 0xFF, true};
+  int e = -127;  // amax 0
+  if (amax_bits) {
+    e = floor_log2(bits_as_float(amax_bits)) - Fp8Traits<F>::kEmax;
+    // RCEIL: one more when the significand exceeds max / 2^emax = 1.75 (subnormal amax clamps anyway)
+    if (rceil && (amax_bits & 0x7fffffu) > 0x600000u) ++e;
+    e = clamp_int(e, -127, 127);
+  }
+  return {exp2i(-e), uint8_t(e + 127), false};
+}
+
+// E8M0 byte -> float32 scale: 2^(b - 127) (byte 0 is the subnormal 2^-127), 0xFF -> NaN.
+__host__ __device__ __forceinline__ float e8m0_to_float(uint8_t b) {
+  return b == 0xFF ? bits_as_float(0x7fc00000u) : exp2i(int(b) - 127);
+}
+
+// ---- blockwise scales (DESIGN.md section 5; _emulation.blockwise_scales) ----------------------
+struct BlockScale {
+  float scale, scale_inv;
+  bool bad;
+};
+// scale = max / amax and scale_inv = amax / max, one correctly rounded division each; amax 0:
+// both 1; non-finite amax: scale 1, scale_inv NaN. power_of_two: scale_inv rounded up to a power
+// of two (a scale_inv that underflowed to 0 gives 2^0, as frexp(0) in the emulation), scale its
+// reciprocal.
+template <Fp8 F>
+__host__ __device__ __forceinline__ BlockScale block_scale(uint32_t amax_bits, bool power_of_two) {
+  constexpr float kMax = Fp8Traits<F>::kMax;
+  if (bits_nonfinite(amax_bits)) return {1.0f, bits_as_float(0x7fc00000u), true};
+  if (amax_bits == 0) return {1.0f, 1.0f, false};
+  const float a = bits_as_float(amax_bits);
+  float scale_inv = div_rn(a, kMax);
+  float scale = div_rn(kMax, a);
+  if (power_of_two) {
+    int e = 0;
+    if (scale_inv != 0.0f) {
+      const int fl = floor_log2(scale_inv);
+      e = clamp_int(scale_inv == exp2i(fl) ? fl : fl + 1, -149, 127);
+    }
+    scale_inv = exp2i(e);
+    scale = rcp_rn(scale_inv);
+  }
+  // amax below max / FLT_MAX: the quotient overflows; FLT_MAX keeps zeros zero (inf * 0 = NaN)
+  if (scale > 3.402823466e38f) scale = 3.402823466e38f;
+  return {scale, scale_inv, false};
+}
+
+// ---- delayed scaling, scalar cores (_emulation.scale_from_amax / delayed_scale_update) ---------
+// scale = max / (amax * margin); amax 0 or non-finite: prev; inf: FLT_MAX; 0: FLT_MIN;
+// power_of_two: rounded down to a power of two.
+__host__ __device__ __forceinline__ float scale_from_amax(float amax, float prev, float fp8_max, float margin,
+                                                          bool power_of_two) {
+  if (amax == 0.0f || !isfinite(amax)) return prev;
+  float s = div_rn(fp8_max, mul_rn(amax, margin));
+  if (isinf(s)) s = FLT_MAX;
+  if (s == 0.0f) s = FLT_MIN;
+  if (power_of_two && isfinite(s)) s = exp2i(clamp_int(floor_log2(fabsf(s)), -149, 127));
+  return s;
+}
+
+// step // interval and whether step % interval == 0, with Python's floor semantics.
+struct UpdateStep {
+  int64_t n_updates;
+  bool update;
+};
+__host__ __device__ __forceinline__ UpdateStep update_step(int64_t step, int64_t interval) {
+  int64_t q = step / interval;
+  if ((step % interval != 0) && ((step < 0) != (interval < 0))) --q;
+  return {q, step - q * interval == 0};
+}
+
+// EMA of the representative amax: the first update takes the new amax.
+__host__ __device__ __forceinline__ float ema_amax(float a, float b, float newest, float prev, int64_t n_updates) {
+  return n_updates <= 1 ? newest : add_rn(mul_rn(a, newest), mul_rn(b, prev));
+}
+
+// Index into the ascending sort of the L slots of the nearest-rank percentile over the
+// n = clamp(n_updates, 1, L) filled slots: L - n + ceil(q * n) - 1 (rank clamped to [1, L]).
+__host__ __device__ __forceinline__ int64_t percentile_index(int64_t n_updates, int64_t L, double q) {
+  const int64_t n = n_updates < 1 ? 1 : (n_updates > L ? L : n_updates);
+  int64_t rank = int64_t(ceil(dmul_rn(q, double(n))));
+  rank = rank < 1 ? 1 : (rank > L ? L : rank);
+  return L - n + rank - 1;
+}
+
+// Total-order key for sorting floats ascending with NaN last (as torch.sort).
+__host__ __device__ __forceinline__ uint32_t sort_key(float v) {
+  const uint32_t b = float_as_bits(v);
+  if (isnan(v)) return 0xffffffffu;
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__host__ __device__ __forceinline__ float from_sort_key(uint32_t k) {
+  return bits_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+// NaN-propagating max (as torch.amax).
+__host__ __device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || a > b) ? a : b; }
 
 // NaN-propagating max of |v| as ordered bits, combined over a warp.
 __device__ __forceinline__ unsigned warp_max(unsigned m) {

@@ -1,7 +1,5 @@
 // Delayed-scaling update: one block, no host sync, CUDA-graph safe. Bit-exact with
 // fp8ops/_emulation.delayed_scale_update (roll the history, reduce it by algo, new scale).
-#include <cfloat>
-
 #include "common.cuh"
 
 namespace fp8ops {
@@ -9,38 +7,13 @@ namespace {
 
 constexpr int kThreads = kMaxHistory;  // one history slot per thread
 
-// Total-order key for sorting floats ascending with NaN last (as torch.sort).
-__device__ __forceinline__ uint32_t sort_key(float v) {
-  uint32_t b = __float_as_uint(v);
-  if (isnan(v)) return 0xffffffffu;
-  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
-}
-__device__ __forceinline__ float from_sort_key(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
-}
-
-// NaN-propagating max (as torch.amax).
-__device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || a > b) ? a : b; }
-
-// As _emulation.scale_from_amax.
-__device__ float scale_from_amax(float amax, float prev, float fp8_max, float margin, bool power_of_two) {
-  if (amax == 0.0f || !isfinite(amax)) return prev;
-  float s = __fdiv_rn(fp8_max, __fmul_rn(amax, margin));
-  if (isinf(s)) s = FLT_MAX;
-  if (s == 0.0f) s = FLT_MIN;
-  if (power_of_two && isfinite(s)) s = exp2i(min(max(floor_log2(fabsf(s)), -149), 127));
-  return s;
-}
-
 __global__ void __launch_bounds__(kThreads) delayed_scale_kernel(DelayedScaleParams p) {
   __shared__ uint32_t keys[kThreads];
   __shared__ float red[kThreads / 32];
   const int t = threadIdx.x, L = p.history_len;
-  const int64_t step = *p.step;
-  // Python floor division / modulo
-  int64_t n_updates = step / p.interval;
-  if ((step % p.interval != 0) && ((step < 0) != (p.interval < 0))) --n_updates;
-  const bool update = step - n_updates * p.interval == 0;
+  const UpdateStep us = update_step(*p.step, p.interval);  // Python floor division / modulo
+  const int64_t n_updates = us.n_updates;
+  const bool update = us.update;
 
   // rolled history: slot 0 = pending amax, slot k = old slot k - 1
   const float h = t < L ? (t == 0 ? *p.pending_amax : p.amax_history[t - 1]) : 0.0f;
@@ -51,7 +24,7 @@ __global__ void __launch_bounds__(kThreads) delayed_scale_kernel(DelayedScalePar
   switch (p.algo) {
     case AmaxAlgo::kMostRecent: rep = h0; break;
     case AmaxAlgo::kEma:
-      rep = n_updates <= 1 ? h0 : __fadd_rn(__fmul_rn(p.ema_a, h0), __fmul_rn(p.ema_b, rep_prev));
+      rep = ema_amax(p.ema_a, p.ema_b, h0, rep_prev, n_updates);
       break;
     case AmaxAlgo::kMax: {
       float m = t < L ? h : -INFINITY;
@@ -77,10 +50,7 @@ __global__ void __launch_bounds__(kThreads) delayed_scale_kernel(DelayedScalePar
           __syncthreads();
         }
       }
-      const int64_t n = min(max(n_updates, int64_t(1)), int64_t(L));
-      int64_t rank = int64_t(ceil(__dmul_rn(p.percentile_q, double(n))));
-      rank = min(max(rank, int64_t(1)), int64_t(L));
-      rep = from_sort_key(keys[L - n + rank - 1]);
+      rep = from_sort_key(keys[percentile_index(n_updates, L, p.percentile_q)]);
       break;
     }
   }
@@ -88,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) delayed_scale_kernel(DelayedScalePar
   const float prev_scale = *p.scale;
   const float s = update ? scale_from_amax(rep, prev_scale, p.fp8_max, p.margin, p.power_of_two) : prev_scale;
   *p.out_scale = s;
-  *p.out_scale_inv = __frcp_rn(s);
+  *p.out_scale_inv = rcp_rn(s);
   *p.out_amax_rep = update ? rep : rep_prev;
   *p.out_pending = update ? 0.0f : *p.pending_amax;
 }

@@ -305,6 +305,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
   else if (algo == "percentile") a = fp8ops::AmaxAlgo::kPercentile;
   else TORCH_CHECK(false, "fp8ops: ", op, ": unknown amax_compute_algo '", std::string(algo),
                    "'; expected one of max, most_recent, ema, percentile");
+  // rank ceil(p / 100 * n) must stay within the n filled slots (the kernel indexes shared memory with it)
+  TORCH_CHECK(a != fp8ops::AmaxAlgo::kPercentile || percentile <= 100.0, "fp8ops: ", op,
+              ": percentile must be at most 100, got ", percentile);
   c10::cuda::CUDAGuard guard(amax_history.device());
   at::Tensor hist = amax_history.contiguous(), st = step.to(at::kLong).contiguous();
   at::Tensor out_hist = at::empty_like(hist), out_scale = at::empty_like(scale),

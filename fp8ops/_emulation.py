@@ -14,6 +14,8 @@ import torch
 from .formats import E8M0_BIAS, E8M0_NAN, NAN_BYTE, get_format
 
 _MASK32 = 0xFFFFFFFF
+FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN = torch.finfo(torch.float32).tiny
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0):
     fmt = get_format(dtype)
-    y = x.float() * scale.float()
+    y = x.float() * scale.float().reshape(())  # a [1] scale must not broadcast a 0-d x
     data = _stochastic_fp8(y, fmt, seed, offset) if stochastic else _rne_fp8(y, fmt)
     data = data.contiguous()
     if transpose:
@@ -133,7 +135,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale_inv.float()).to(out_dtype).contiguous()
+    return (data.float() * scale_inv.float().reshape(())).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +220,8 @@ def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
         scale = 1.0 / scale_inv
     one = torch.ones_like(amax_b)
     scale_inv = torch.where(zero, one, torch.where(bad, float("nan"), scale_inv))
-    scale = torch.where(zero | bad, one, scale)
+    # amax below max / FLT_MAX overflows the quotient: FLT_MAX keeps zeros zero (inf * 0 = NaN)
+    scale = torch.where(zero | bad, one, scale.clamp(max=FLT_MAX))
     return scale, scale_inv
 
 
@@ -246,8 +249,6 @@ def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows
 # Delayed-scaling update (DESIGN.md section 3 and 7)
 # ----------------------------------------------------------------------------------------------
 _ALGOS = ("max", "most_recent", "ema", "percentile")
-FLT_MAX = torch.finfo(torch.float32).max
-FLT_MIN = torch.finfo(torch.float32).tiny
 
 
 def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float, margin: float,

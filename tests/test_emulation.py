@@ -307,13 +307,16 @@ def blockwise_ref(x: np.ndarray, fmt, br, bc, p2):
                 s, si, blk = np.float32(1), np.float32(np.nan), np.full_like(blk, np.nan)
             elif amax == 0:
                 s, si = np.float32(1), np.float32(1)
-            elif p2:
-                raw = float(amax / np.float32(fmt.max))
-                m, e = math.frexp(raw)
-                si = np.float32(2.0 ** (e - 1 if m == 0.5 else e))
-                s = np.float32(1.0 / float(si))
             else:
-                s, si = np.float32(fmt.max) / amax, amax / np.float32(fmt.max)
+                with np.errstate(over="ignore"):
+                    if p2:
+                        raw = float(amax / np.float32(fmt.max))
+                        m, e = math.frexp(raw)
+                        si = np.float32(2.0 ** (e - 1 if m == 0.5 else e))
+                        s = np.float32(1.0 / float(si))
+                    else:
+                        s, si = np.float32(fmt.max) / amax, amax / np.float32(fmt.max)
+                s = min(s, np.float32(np.finfo(np.float32).max))  # tiny amax: quotient overflows
             data[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = ref_cast_bytes(blk * s, fmt)
             sinv[i, j] = si
     return data, sinv
@@ -325,11 +328,21 @@ def blockwise_ref(x: np.ndarray, fmt, br, bc, p2):
 def test_blockwise_matches_reference(fmt, block, p2):
     x = (torch.randn(130, 300) * torch.logspace(-3, 3, 300)).numpy()  # partial last blocks
     x[0, :128] = 0.0  # an all-zero 1x128 block
+    x[1, :128] = 0.0
+    x[1, 5], x[1, 6] = 1e-37, -5e-38  # amax < max / FLT_MAX: scale clamps, zeros stay zero
     x[129, 299] = np.inf
     data, sinv = E.quantize_blockwise(torch.from_numpy(x), fmt.dtype, *block, p2)
     ref_data, ref_sinv = blockwise_ref(x, fmt, *block, p2)
     assert np.array_equal(bytes_of(data), ref_data)
     assert np.array_equal(sinv.numpy(), ref_sinv, equal_nan=True)
+
+
+def test_blockwise_tiny_block_keeps_zeros_and_order():
+    x = torch.zeros(1, 128)
+    x[0, 0], x[0, 1] = 1e-37, 5e-38
+    data, _ = E.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, False)
+    d = data.float()
+    assert not torch.isnan(d).any() and (d[0, 2:] == 0).all() and d[0, 0] > d[0, 1] > 0
 
 
 def test_blockwise_roundtrip_error_is_fp8_sized():
