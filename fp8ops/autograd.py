@@ -33,6 +33,16 @@ def _live(state: Optional[ScalingState]) -> bool:
     return state is not None and state.delayed and state.recording and not in_recompute()
 
 
+def _scale_before_cast(role, x, fmt, recipe, step: bool) -> torch.Tensor:
+    """The scale for casting x: from the delayed-scaling role (stepped first when `step`), or,
+    with no role (current scaling), from x's own amax."""
+    if role is not None:
+        if step:
+            role.update(recipe, fmt)
+        return role.scale.clone()  # a copy: the buffer changes before backward uses it
+    return current_scale(_ops.amax(x), fmt, recipe.margin, recipe.power_of_two)
+
+
 def _wgrad_out(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
     """float32 dW goes into weight.main_grad when the weight has one (returning no .grad),
     else it is returned in the parameter's dtype."""
@@ -78,17 +88,14 @@ class PerTensorLinear(torch.autograd.Function):
         state: Optional[ScalingState] = ctx.state
         recipe = ctx.recipe
         dy2 = dy.contiguous()
-        if state is not None and state.delayed:
-            if state.recording:
-                state.grad.update(recipe, ctx.bwd)
-            g_scale = state.grad.scale.clone()
-        else:
-            g_scale = current_scale(_ops.amax(dy2), ctx.bwd, recipe.margin, recipe.power_of_two)
+        delayed = state is not None and state.delayed
+        g_scale = _scale_before_cast(state.grad if delayed else None, dy2, ctx.bwd, recipe,
+                                     delayed and state.recording)
         stochastic = recipe.grad_rounding == "stochastic"
         seed, offset = state.next_rng() if stochastic else (0, 0)
         gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, stochastic, seed,
                                          offset)
-        if state is not None and state.delayed and state.recording:
+        if delayed and state.recording:
             state.grad.record(g_amax, recipe.process_group)
         g_scale_inv = torch.reciprocal(g_scale)
         dx = dw = None
@@ -114,24 +121,14 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
 
     def cast_weight(w, new_values=True):
         step_weight = live and new_values
-        if delayed:
-            if step_weight:
-                state.weight.update(recipe, fwd)
-            scale = state.weight.scale.clone()
-        else:
-            scale = current_scale(_ops.amax(w), fwd, recipe.margin, recipe.power_of_two)
+        scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step_weight)
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
         if step_weight:
             state.weight.record(w_amax, recipe.process_group)
         return data, data_t, torch.reciprocal(scale)
 
     w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight)
-    if delayed:
-        if live:
-            state.input.update(recipe, fwd)
-        x_scale = state.input.scale.clone()
-    else:
-        x_scale = current_scale(_ops.amax(x2), fwd, recipe.margin, recipe.power_of_two)
+    x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live)
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
                          "carry the random seed and offset")
