@@ -1,10 +1,5 @@
-import os
-
 import pytest
 import torch
-
-# The CPU tests check the emulation; never let a stray environment pick another backend.
-os.environ.setdefault("FP8OPS_FORCE_EMULATION", "0")
 
 
 def has_fp8_gpu() -> bool:
