@@ -73,7 +73,10 @@ def _cuda_extension():
         name="fp8ops._C",
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")] + cutlass,
-        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG"], "nvcc": nvcc},
+        # No -std for the C++ binding: torch's BuildExtension adds the standard the installed
+        # torch was built with (C++17 up to 2.1x, C++20 later); forcing another one breaks inline
+        # c10 code that differs between the two.
+        extra_compile_args={"cxx": ["-O3", "-DNDEBUG"], "nvcc": nvcc},
     )
     return ext, {"build_ext": _gemm_arch_build_ext(cpp_extension)}
 

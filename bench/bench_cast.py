@@ -55,6 +55,9 @@ def main():
     ap.add_argument("--max-mb", type=int, default=1024, help="largest input in MB of bf16")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the emulation")
+    ap.add_argument("--compile-mb", default="1,16,256",
+                    help="input sizes (MB) at which torch.compile of the emulation is timed too "
+                         "(each size compiles anew)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     require_gpu()
@@ -67,6 +70,7 @@ def main():
     info = device_info()
     cols = 4096
     sizes_mb = [mb for mb in (1, 4, 16, 64, 256, 1024) if mb <= args.max_mb]
+    compile_mb = {int(v) for v in args.compile_mb.split(",") if v}
     rows_out, plot = [], {}
     for mb in sizes_mb:
         n = mb * (1 << 20) // 2
@@ -81,13 +85,15 @@ def main():
             t = time_cuda(fn, args.iters)
             gbs = nbytes / t / 1e6
             t_emu = float("nan")
-            if not args.no_compile and mb <= 256:
+            if not args.no_compile and mb in compile_mb:
                 try:
                     cfn = torch.compile(emu_fn, dynamic=False)
                     t_emu = time_cuda(cfn, max(5, args.iters // 3))
                 except Exception as e:  # compile may not handle every emulation op
                     print(f"torch.compile failed for {name}: {type(e).__name__}: {e}", file=sys.stderr)
             rows_out.append((mb, name, t, gbs, gbs / copy_gbs, nbytes / t_emu / 1e6))
+            print(f"{mb:5d} MB  {name:28s} {gbs:7.0f} GB/s  {gbs / copy_gbs:5.2f} x copy  "
+                  f"compiled emulation {nbytes / t_emu / 1e6:7.0f} GB/s", flush=True)
             plot.setdefault(name, []).append((mb, gbs))
         del x, dst
         torch.cuda.empty_cache()

@@ -56,7 +56,7 @@ def _blockwise(x8, s, block_rows):
     return (torch.rand(-(-rows // block_rows), -(-cols // 128), device="cuda") + 0.5) * s
 
 
-def bench_shape(m, n, k, iters, warmup, gen):
+def bench_shape(m, n, k, iters, warmup, gen, configs=()):
     a, sa = _fp8(m, k, gen)
     b, sb = _fp8(n, k, gen)
     a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -71,6 +71,8 @@ def bench_shape(m, n, k, iters, warmup, gen):
         "fp8ops blockwise": lambda: torch.ops.fp8ops.gemm_blockwise(a, b, sa_blk, sb_blk, None,
                                                                     torch.bfloat16),
     }
+    for config in configs:  # the same fast-accumulation GEMM, each CUTLASS configuration forced
+        fns[f"fp8ops {config}"] = _forced(config, fns["fp8ops"])
     # Sanity before timing: fp8ops agrees with _scaled_mm on the same inputs.
     ref = fns["_scaled_mm"]().float()
     got = fns["fp8ops"]().float()
@@ -79,6 +81,21 @@ def bench_shape(m, n, k, iters, warmup, gen):
         raise SystemExit(f"bench_gemm: fp8ops and _scaled_mm disagree at {m}x{n}x{k} (rel {rel:.3g})")
     flops = 2.0 * m * n * k
     return {name: flops / (time_cuda(fn, iters, warmup) * 1e-3) / 1e12 for name, fn in fns.items()}
+
+
+def _forced(config, fn):
+    """fn with a CUTLASS configuration forced: "name" or "name/sN" (N: rasterization swizzle)."""
+    name, _, swz = config.partition("/s")
+    env = {"FP8OPS_SM90_GEMM_CONFIG": name, **({"FP8OPS_SM90_SWIZZLE": swz} if swz else {})}
+
+    def run():
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for key in env:
+                del os.environ[key]
+    return run
 
 
 def geomean(xs):
@@ -91,6 +108,10 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--configs", default="",
+                    help="comma-separated CUTLASS configurations to time as extra columns "
+                         "(coop128, pingpong64, fast_pingpong128, fast_coop256; '/s4' appended "
+                         "forces a rasterization swizzle of 4)")
     args = ap.parse_args()
 
     if not torch.cuda.is_available():
@@ -107,7 +128,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, m, n, k in shapes(args.quick):
-        r = bench_shape(m, n, k, args.iters, args.warmup, gen)
+        r = bench_shape(m, n, k, args.iters, args.warmup, gen, [c for c in args.configs.split(",") if c])
         rows.append((name, m, n, k, r))
         print(f"{name:28s} {m:6d} {n:6d} {k:6d}  " +
               "  ".join(f"{key} {val:7.1f}" for key, val in r.items()), flush=True)
@@ -123,6 +144,10 @@ def main():
         f"{geomean([r['fp8ops promoted'] / r['fp8ops'] for *_, r in rows]):.3f}",
         f"- fp8ops blockwise / fp8ops per-tensor: geomean {geomean(blk):.3f}, min {min(blk):.3f}",
     ]
+    for col in [c for c in rows[0][4] if c.startswith("fp8ops ") and c not in ("fp8ops promoted", "fp8ops blockwise")]:
+        rs = [r[col] / r["_scaled_mm"] for *_, r in rows]
+        summary.append(f"- {col} / torch._scaled_mm: geomean {geomean(rs):.3f}, min {min(rs):.3f} "
+                       f"({rows[rs.index(min(rs))][0]})")
     if sq8192:
         summary.append(f"- fp8ops / bf16 torch.mm at 8192^3: {sq8192['fp8ops'] / sq8192['bf16 mm']:.2f}x "
                        f"({sq8192['fp8ops']:.0f} vs {sq8192['bf16 mm']:.0f} TFLOP/s)")

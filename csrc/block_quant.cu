@@ -144,15 +144,14 @@ void launch_quantize_mx(const QuantizeMxParams& p, cudaStream_t stream) {
       if (p.inner == 1 && p.block_size == 32) {
         constexpr int N = 16 / sizeof(T);
         if (aligned(p.x, 16) && aligned(p.data, N)) {
-          mx_rows_kernel<T, F, N><<<grid_for(n / N, kThreads, kMaxBlocks), kThreads, 0, stream>>>(p, n / N);
+          launch_kernel(mx_rows_kernel<T, F, N>, grid_for(n / N, kThreads, kMaxBlocks), kThreads, stream, p, n / N);
         } else {
-          mx_rows_kernel<T, F, 1><<<grid_for(n, kThreads, kMaxBlocks), kThreads, 0, stream>>>(p, n);
+          launch_kernel(mx_rows_kernel<T, F, 1>, grid_for(n, kThreads, kMaxBlocks), kThreads, stream, p, n);
         }
       } else {
         const int64_t n_blocks = n / p.block_size;
-        mx_strided_kernel<T, F><<<grid_for(n_blocks, kThreads, kMaxBlocks), kThreads, 0, stream>>>(p, n_blocks);
+        launch_kernel(mx_strided_kernel<T, F>, grid_for(n_blocks, kThreads, kMaxBlocks), kThreads, stream, p, n_blocks);
       }
-      FP8OPS_CHECK_LAUNCH();
     });
   });
 }
@@ -166,8 +165,7 @@ void launch_dequantize_mx(const DequantizeMxParams& p, cudaStream_t stream) {
     constexpr Fp8 F = decltype(fmt)::value;
     dispatch_input(p.out_dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      dequantize_mx_kernel<F, T><<<grid_for(n, kThreads, kMaxBlocks), kThreads, 0, stream>>>(p, n);
-      FP8OPS_CHECK_LAUNCH();
+      launch_kernel(dequantize_mx_kernel<F, T>, grid_for(n, kThreads, kMaxBlocks), kThreads, stream, p, n);
     });
   });
 }
@@ -190,11 +188,10 @@ void launch_quantize_blockwise(const QuantizeBlockwiseParams& p, cudaStream_t st
       if (grid > 0x7fffffff)  // one launch, no grid-stride loop: a larger grid would be truncated
         throw std::invalid_argument("fp8ops: quantize_blockwise: too many blocks for one launch");
       if (big) {
-        blockwise_kernel<T, F, kThreads><<<unsigned(grid), kThreads, 0, stream>>>(p, tiles, tiles_c);
+        launch_kernel(blockwise_kernel<T, F, kThreads>, unsigned(grid), kThreads, stream, p, tiles, tiles_c);
       } else {
-        blockwise_kernel<T, F, 32><<<unsigned(grid), kThreads, 0, stream>>>(p, tiles, tiles_c);
+        launch_kernel(blockwise_kernel<T, F, 32>, unsigned(grid), kThreads, stream, p, tiles, tiles_c);
       }
-      FP8OPS_CHECK_LAUNCH();
     });
   });
 }
@@ -209,8 +206,7 @@ void launch_dequantize_blockwise(const DequantizeBlockwiseParams& p, cudaStream_
     constexpr Fp8 F = decltype(fmt)::value;
     dispatch_input(p.out_dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      dequantize_blockwise_kernel<F, T><<<grid_for(n, kThreads, kMaxBlocks), kThreads, 0, stream>>>(p, tiles_c);
-      FP8OPS_CHECK_LAUNCH();
+      launch_kernel(dequantize_blockwise_kernel<F, T>, grid_for(n, kThreads, kMaxBlocks), kThreads, stream, p, tiles_c);
     });
   });
 }

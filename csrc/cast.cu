@@ -198,9 +198,8 @@ void launch_amax(const AmaxParams& p, cudaStream_t stream) {
   dispatch_input(p.x_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     FlatPlan plan = plan_flat<16 / sizeof(T)>(p.n, head_to_align16<T>(p.x, p.n));
-    amax_kernel<T><<<flat_blocks<16 / sizeof(T)>(plan), kThreads, 0, stream>>>(static_cast<const T*>(p.x), plan,
+    launch_kernel(amax_kernel<T>, flat_blocks<16 / sizeof(T)>(plan), kThreads, stream, static_cast<const T*>(p.x), plan,
                                                                 reinterpret_cast<unsigned*>(p.amax));
-    FP8OPS_CHECK_LAUNCH();
   });
 }
 
@@ -220,8 +219,7 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
         const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
         const bool vec_t = aligned(p.data_t, 4) && rows % 4 == 0;
         auto go = [&](auto kernel) {
-          kernel<<<unsigned(tiles), kThreads, 0, stream>>>(p, rows, tiles_c, vec_t);
-          FP8OPS_CHECK_LAUNCH();
+          launch_kernel(kernel, unsigned(tiles), kThreads, stream, p, rows, tiles_c, vec_t);
         };
         if (p.stochastic)
           vec ? go(quantize_transpose_kernel<T, F, true, true>) : go(quantize_transpose_kernel<T, F, true, false>);
@@ -232,8 +230,7 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
         if (!aligned(p.data + (head < p.n ? head : 0), N)) head = p.n;  // output not aligned alike
         FlatPlan plan = plan_flat<N>(p.n, head);
         auto kernel = p.stochastic ? quantize_kernel<T, F, true> : quantize_kernel<T, F, false>;
-        kernel<<<flat_blocks<N>(plan), kThreads, 0, stream>>>(p, plan);
-        FP8OPS_CHECK_LAUNCH();
+        launch_kernel(kernel, flat_blocks<N>(plan), kThreads, stream, p, plan);
       }
     });
   });
@@ -249,8 +246,7 @@ void launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
       int64_t head = int64_t((8 - reinterpret_cast<uintptr_t>(p.data) % 8) % 8);
       if (head > p.n || !aligned(static_cast<T*>(p.out) + head, 8 * sizeof(T))) head = p.n;
       FlatPlan plan = plan_flat<8>(p.n, head);
-      dequantize_kernel<F, T><<<flat_blocks<8>(plan), kThreads, 0, stream>>>(p, plan);
-      FP8OPS_CHECK_LAUNCH();
+      launch_kernel(dequantize_kernel<F, T>, flat_blocks<8>(plan), kThreads, stream, p, plan);
     });
   });
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "fp8ops.h"
 
@@ -21,10 +22,20 @@
                                " at " __FILE__ ":" + std::to_string(__LINE__) + ": " #expr); \
   } while (0)
 
-// After a <<<...>>> launch: catches bad configurations (the launch itself is asynchronous).
-#define FP8OPS_CHECK_LAUNCH() FP8OPS_CUDA_CHECK(cudaGetLastError())
-
 namespace fp8ops {
+
+// kernel<<<grid, block, 0, stream>>>(args...), throwing on this launch's own error. The status
+// comes from cudaLaunchKernelEx itself: cudaGetLastError() after a <<<>>> launch would also report
+// (and clear) an earlier, unrelated asynchronous error and blame it on fp8ops.
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  FP8OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 // ---- IEEE float32 arithmetic and bit casts, callable from host and device -----------------------
 // The scalar helpers below are __host__ __device__ so tests/csrc/host_check.cu can check them

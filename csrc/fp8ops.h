@@ -146,6 +146,7 @@ struct GemmParams {
   bool fast_accum;  // true: tensor-core accumulation over all of K; false: promote to FP32 every 128
   void* workspace;
   size_t workspace_bytes;
+  int swizzle = 0;  // CTA rasterization swizzle (1, 2, 4 or 8 tiles); 0: the launcher's choice
 };
 size_t gemm_sm90_workspace_size(const GemmParams& p);
 void launch_gemm_sm90(const GemmParams& p, cudaStream_t stream);
@@ -170,6 +171,7 @@ struct GemmBlockwiseParams {
   void* d;
   void* workspace;
   size_t workspace_bytes;
+  int swizzle = 0;  // as in GemmParams
 };
 size_t gemm_blockwise_sm90_workspace_size(const GemmBlockwiseParams& p);
 void launch_gemm_blockwise_sm90(const GemmBlockwiseParams& p, cudaStream_t stream);

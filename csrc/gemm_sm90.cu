@@ -1,7 +1,8 @@
 // Launchers for the CUTLASS Hopper FP8 GEMMs: argument checks, tile heuristic, dispatch to the
-// explicit instantiations in gemm_sm90_{e4m3,e5m2,blockwise_e4m3,blockwise_e5m2}.cu. This file
+// explicit instantiations in gemm_sm90_{e4m3,e5m2}*.cu and gemm_sm90_blockwise_*.cu. This file
 // sees only the template declarations (no CUTLASS), so it compiles quickly.
 #include <atomic>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -61,20 +62,72 @@ void check_common(const P& p, const char* what) {
   if (p.bias && (reinterpret_cast<uintptr_t>(p.bias) & 3)) fail(what, "bias must be 4-byte aligned");
 }
 
+// FP8OPS_SM90_GEMM_CONFIG (coop128, pingpong64, fast_pingpong128, fast_coop256) forces one
+// configuration, for benchmarks that compare them; unset, the heuristic below decides.
+bool forced_tile(TileConfig* c) {
+  const char* env = std::getenv("FP8OPS_SM90_GEMM_CONFIG");
+  if (!env || !*env) return false;
+  const std::string v(env);
+  if (v == "coop128") *c = TileConfig::kCooperative128x128;
+  else if (v == "pingpong64") *c = TileConfig::kPingpong64x128;
+  else if (v == "fast_pingpong128") *c = TileConfig::kFastPingpong128x128;
+  else if (v == "fast_coop256") *c = TileConfig::kFastCooperative128x256;
+  else fail("gemm_sm90", "FP8OPS_SM90_GEMM_CONFIG must be coop128, pingpong64, fast_pingpong128 or "
+                         "fast_coop256, got '" + v + "'");
+  return true;
+}
+
+// Tiles per rasterization swizzle: neighbouring CTAs share A and B tiles in L2, which large
+// problems (tens of MB per operand) otherwise stream from HBM again. FP8OPS_SM90_SWIZZLE
+// (1, 2, 4, 8) overrides it for benchmarks.
+constexpr int kDefaultSwizzle = 4;
+
+int pick_swizzle() {
+  const char* env = std::getenv("FP8OPS_SM90_SWIZZLE");
+  if (!env || !*env) return kDefaultSwizzle;
+  const std::string v(env);
+  if (v == "1" || v == "2" || v == "4" || v == "8") return std::stoi(v);
+  fail("gemm_sm90", "FP8OPS_SM90_SWIZZLE must be 1, 2, 4 or 8, got '" + v + "'");
+}
+
+// Busy fraction of the SMs over the waves that `tiles` CTAs need on a persistent grid of `sms`.
+double wave_efficiency(int64_t tiles, int sms) {
+  int64_t waves = (tiles + sms - 1) / sms;
+  return static_cast<double>(tiles) / static_cast<double>(waves * sms);
+}
+
 // Small grids waste the 128x128 tile's SMs: when it cannot fill the GPU once, the 64x128
 // ping-pong kernel gives twice the CTAs and overlaps one tile's epilogue with the next's MMAs.
+// Fast accumulation on larger grids takes a mainloop without promotion copies.
 TileConfig pick_tile(const GemmParams& p, int sms) {
+  TileConfig forced;
+  if (forced_tile(&forced)) {
+    if (!p.fast_accum && (forced == TileConfig::kFastPingpong128x128 || forced == TileConfig::kFastCooperative128x256))
+      return TileConfig::kCooperative128x128;  // a fast-accumulation kernel never serves promoted numerics
+    return forced;
+  }
   int64_t tiles_128 = ((p.m + 127) / 128) * ((p.n + 127) / 128);
   if (p.m <= 64 || tiles_128 < sms) return TileConfig::kPingpong64x128;
-  return TileConfig::kCooperative128x128;
+  if (!p.fast_accum) return TileConfig::kCooperative128x128;
+  // 128x256 tiles run fastest when they fill whole waves of the GPU; when half their last wave
+  // would idle (e.g. M = 1024, N = 6144: 192 tiles on 132 SMs) the 128x128 ping-pong kernel,
+  // with twice the tiles, fills the waves better.
+  int64_t tiles_256 = ((p.m + 127) / 128) * ((p.n + 255) / 256);
+  if (wave_efficiency(tiles_128, sms) > wave_efficiency(tiles_256, sms) + 0.1)
+    return TileConfig::kFastPingpong128x128;
+  return TileConfig::kFastCooperative128x256;
 }
 
 template <DType A, DType B, DType D, class F>
 void by_tile(TileConfig c, F&& f) {
-  if (c == TileConfig::kCooperative128x128)
-    f(Type<sm90::GemmSm90<A, B, D, TileConfig::kCooperative128x128>>{});
-  else
-    f(Type<sm90::GemmSm90<A, B, D, TileConfig::kPingpong64x128>>{});
+  switch (c) {
+    case TileConfig::kCooperative128x128: f(Type<sm90::GemmSm90<A, B, D, TileConfig::kCooperative128x128>>{}); break;
+    case TileConfig::kPingpong64x128: f(Type<sm90::GemmSm90<A, B, D, TileConfig::kPingpong64x128>>{}); break;
+    case TileConfig::kFastPingpong128x128: f(Type<sm90::GemmSm90<A, B, D, TileConfig::kFastPingpong128x128>>{}); break;
+    case TileConfig::kFastCooperative128x256:
+      f(Type<sm90::GemmSm90<A, B, D, TileConfig::kFastCooperative128x256>>{});
+      break;
+  }
 }
 
 template <DType A, DType B, class F>
@@ -139,30 +192,41 @@ void check_blockwise(const GemmBlockwiseParams& p) {
 
 }  // namespace
 
-size_t gemm_sm90_workspace_size(const GemmParams& p) {
-  check_gemm(p);
+template <class P>
+P with_swizzle(const P& p) {
+  P q = p;
+  if (q.swizzle == 0) q.swizzle = pick_swizzle();
+  return q;
+}
+
+size_t gemm_sm90_workspace_size(const GemmParams& params) {
+  check_gemm(params);
+  const GemmParams p = with_swizzle(params);
   int sms = sm_count();
   size_t bytes = 0;
   dispatch_gemm(p, pick_tile(p, sms), [&](auto tag) { bytes = decltype(tag)::type::workspace_size(p, sms); });
   return bytes;
 }
 
-void launch_gemm_sm90(const GemmParams& p, cudaStream_t stream) {
-  check_gemm(p);
+void launch_gemm_sm90(const GemmParams& params, cudaStream_t stream) {
+  check_gemm(params);
+  const GemmParams p = with_swizzle(params);
   int sms = sm_count();
   dispatch_gemm(p, pick_tile(p, sms), [&](auto tag) { decltype(tag)::type::run(p, sms, stream); });
 }
 
-size_t gemm_blockwise_sm90_workspace_size(const GemmBlockwiseParams& p) {
-  check_blockwise(p);
+size_t gemm_blockwise_sm90_workspace_size(const GemmBlockwiseParams& params) {
+  check_blockwise(params);
+  const GemmBlockwiseParams p = with_swizzle(params);
   int sms = sm_count();
   size_t bytes = 0;
   dispatch_blockwise(p, [&](auto tag) { bytes = decltype(tag)::type::workspace_size(p, sms); });
   return bytes;
 }
 
-void launch_gemm_blockwise_sm90(const GemmBlockwiseParams& p, cudaStream_t stream) {
-  check_blockwise(p);
+void launch_gemm_blockwise_sm90(const GemmBlockwiseParams& params, cudaStream_t stream) {
+  check_blockwise(params);
+  const GemmBlockwiseParams p = with_swizzle(params);
   int sms = sm_count();
   dispatch_blockwise(p, [&](auto tag) { decltype(tag)::type::run(p, sms, stream); });
 }

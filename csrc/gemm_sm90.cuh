@@ -7,6 +7,7 @@
 // heavy instantiations build in parallel); gemm_sm90.cu dispatches to them and sees only the
 // declarations (it is built without FP8OPS_GEMM_SM90_DEFINE), so it never instantiates a kernel.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -17,8 +18,10 @@ namespace fp8ops::sm90 {
 
 // Tile / cluster / schedule choices (the launcher's heuristic picks one per shape).
 enum class TileConfig : int {
-  kCooperative128x128,  // 2 consumer warpgroups on a 128x128x128 tile, cluster 2x1: large shapes
-  kPingpong64x128,      // 2 consumer warpgroups alternating 64x128x128 tiles, no cluster: small M
+  kCooperative128x128,      // promoted accumulation, 2 consumer warpgroups on 128x128x128, cluster 2x1
+  kPingpong64x128,          // promoted mainloop, 64x128x128 tiles alternating: small M / few tiles
+  kFastPingpong128x128,     // fast accumulation, 128x128x128 tiles alternating, cluster 2x1
+  kFastCooperative128x256,  // fast accumulation, 2 warpgroups on 128x256x128, cluster 2x1
 };
 
 template <DType A, DType B, DType D, TileConfig C>
@@ -63,11 +66,12 @@ template <> struct CutlassType<DType::kFloat16> { using type = cutlass::half_t; 
 template <> struct CutlassType<DType::kFloat32> { using type = float; };
 
 template <TileConfig C> struct TileTraits;
+// Cluster (2,1,1): the two CTAs of a cluster sit at neighbouring M tiles of the same N tile, so
+// CUTLASS multicasts the shared B tile to both (each loads its own A tile).
 template <> struct TileTraits<TileConfig::kCooperative128x128> {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;  // A-tile multicast along N pairs
-  // Promoted FP8 mainloop (not ...FP8FastAccum): fast_accum becomes a runtime promotion interval,
-  // so one kernel serves both numerics.
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  // Promoted FP8 mainloop: the promotion interval is a runtime argument (every 128 of K).
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
@@ -77,6 +81,24 @@ template <> struct TileTraits<TileConfig::kPingpong64x128> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
+// Fast accumulation: the tensor cores accumulate over all of K with no promotion copies, which
+// halves the accumulator registers and lets a warpgroup own a whole 128-wide tile.
+template <> struct TileTraits<TileConfig::kFastPingpong128x128> {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+template <> struct TileTraits<TileConfig::kFastCooperative128x256> {
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_128>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+// Fast-accumulation mainloops take no promotion interval; the promoted ones take it last.
+template <TileConfig C>
+constexpr bool kFastAccumTile = C == TileConfig::kFastPingpong128x128 || C == TileConfig::kFastCooperative128x256;
 
 // Epilogue visitor tree: D = convert((acc * (s0 * s1)) + bias[n]). s0/s1 are read through device
 // pointers (no host sync); a null bias pointer reads as 0. Products in float32 like the emulation.
@@ -98,13 +120,20 @@ typename EVT::Arguments epilogue_args(const float* s0, const float* s1, const fl
   return {{{}, {{1.0f, 1.0f}, {s0, s1}, {}}, {}}, {bias, 0.0f, {}}, {}};
 }
 
+template <class Args>
+std::array<int, 3> m_n_k(const Args& args) {
+  return {cute::get<0>(args.problem_shape), cute::get<1>(args.problem_shape), cute::get<2>(args.problem_shape)};
+}
+
 template <class Gemm>
 void run_cutlass(Gemm& gemm, const typename Gemm::Arguments& args, void* workspace,
                  size_t workspace_bytes, cudaStream_t stream, const char* what) {
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess)
-    throw std::invalid_argument(std::string("fp8ops ") + what + ": CUTLASS can_implement failed (" +
-                                cutlassGetStatusString(st) + "); check 16-byte alignment of K/ld");
+    throw std::invalid_argument(std::string("fp8ops ") + what + ": CUTLASS cannot run this problem (" +
+                                cutlassGetStatusString(st) + "): m, n, k = " + std::to_string(m_n_k(args)[0]) +
+                                ", " + std::to_string(m_n_k(args)[1]) + ", " + std::to_string(m_n_k(args)[2]) +
+                                " (TMA needs k and n * sizeof(out) multiples of 16 bytes; the binding pads them)");
   size_t need = Gemm::get_workspace_size(args);
   if (need > workspace_bytes)
     throw std::invalid_argument(std::string("fp8ops ") + what + ": workspace of " +
@@ -113,13 +142,16 @@ void run_cutlass(Gemm& gemm, const typename Gemm::Arguments& args, void* workspa
   if (st != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("fp8ops ") + what + ": CUTLASS initialize failed (" +
                              cutlassGetStatusString(st) + ")");
+  // CUTLASS checks its launch with cudaGetLastError(), which also returns an earlier, unrelated
+  // asynchronous error: name such an error as what it is rather than as a failure of this GEMM.
+  cudaError_t prior = cudaPeekAtLastError();
+  if (prior != cudaSuccess)
+    throw std::runtime_error(std::string("fp8ops ") + what + ": a CUDA error from earlier work is pending (" +
+                             cudaGetErrorString(prior) + "); it was not raised by this GEMM");
   st = gemm.run(stream);
   if (st != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("fp8ops ") + what + ": CUTLASS run failed (" +
-                             cutlassGetStatusString(st) + ")");
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("fp8ops ") + what + ": launch failed: " + cudaGetErrorString(err));
+                             cutlassGetStatusString(st) + ": " + cudaGetErrorString(cudaGetLastError()) + ")");
 }
 
 inline cutlass::KernelHardwareInfo hw_info(int sm_count) {
@@ -163,13 +195,15 @@ struct GemmSm90Types {
     SD sd = cute::make_stride(p.ldd, cute::Int<1>{}, p.m * p.ldd);
     // Promotion interval counts 32-deep MMAs: 4 = every 128 of K (promoted accumulation);
     // fast_accum: never promote before the end, i.e. plain tensor-core accumulation.
-    uint32_t interval = p.fast_accum ? (1u << 30) : 4u;
-    return {cutlass::gemm::GemmUniversalMode::kGemm,
-            {static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), 1},
-            {static_cast<const EA*>(p.a), sa, static_cast<const EB*>(p.b), sb, interval},
-            {epilogue_args<EVT>(p.a_scale_inv, p.b_scale_inv, p.bias), nullptr, sd,
-             static_cast<ED*>(p.d), sd},
-            hw_info(sm_count)};
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), 1},
+                                  {static_cast<const EA*>(p.a), sa, static_cast<const EB*>(p.b), sb},
+                                  {epilogue_args<EVT>(p.a_scale_inv, p.b_scale_inv, p.bias), nullptr, sd,
+                                   static_cast<ED*>(p.d), sd},
+                                  hw_info(sm_count)};
+    if constexpr (!kFastAccumTile<C>) args.mainloop.mma_promotion_interval = p.fast_accum ? (1u << 30) : 4u;
+    args.scheduler.max_swizzle_size = p.swizzle;
+    return args;
   }
 };
 
@@ -226,13 +260,16 @@ struct GemmBlockwiseSm90Types {
     SB sb = cute::make_stride(p.ldb, cute::Int<1>{}, p.n * p.ldb);
     SD sd = cute::make_stride(p.ldd, cute::Int<1>{}, p.m * p.ldd);
     auto shape = cute::make_shape(static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), 1);
-    return {cutlass::gemm::GemmUniversalMode::kGemm,
-            shape,
-            {static_cast<const EA*>(p.a), sa, static_cast<const EB*>(p.b), sb,
-             p.a_scales, ScaleConfig::tile_atom_to_shape_SFA(shape),
-             p.b_scales, ScaleConfig::tile_atom_to_shape_SFB(shape)},
-            {epilogue_args<EVT>(nullptr, nullptr, p.bias), nullptr, sd, static_cast<ED*>(p.d), sd},
-            hw_info(sm_count)};
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  shape,
+                                  {static_cast<const EA*>(p.a), sa, static_cast<const EB*>(p.b), sb,
+                                   p.a_scales, ScaleConfig::tile_atom_to_shape_SFA(shape),
+                                   p.b_scales, ScaleConfig::tile_atom_to_shape_SFB(shape)},
+                                  {epilogue_args<EVT>(nullptr, nullptr, p.bias), nullptr, sd,
+                                   static_cast<ED*>(p.d), sd},
+                                  hw_info(sm_count)};
+    args.scheduler.max_swizzle_size = p.swizzle;
+    return args;
   }
 };
 

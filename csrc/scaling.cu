@@ -69,8 +69,7 @@ void launch_delayed_scale_update(const DelayedScaleParams& p, cudaStream_t strea
   if (p.history_len < 1 || p.history_len > kMaxHistory)
     throw std::invalid_argument("fp8ops: delayed_scale_update: history length must be in [1, 1024]");
   if (p.interval == 0) throw std::invalid_argument("fp8ops: delayed_scale_update: interval must be nonzero");
-  delayed_scale_kernel<<<1, kThreads, 0, stream>>>(p);
-  FP8OPS_CHECK_LAUNCH();
+  launch_kernel(delayed_scale_kernel, 1, kThreads, stream, p);
 }
 
 }  // namespace fp8ops

@@ -6,9 +6,53 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <string>
+#include <type_traits>
+
 #include "fp8ops.h"
 
 namespace {
+
+// Error text is built here with std::to_string, and TORCH_CHECK gets one finished string: an
+// extension linked by a toolchain that copies parts of libstdc++ into it (devtoolset's
+// libstdc++_nonshared.a) crashed (SIGSEGV in its own copy of ostream::_M_insert<long>) whenever a
+// TORCH_CHECK message streamed a number (seen with torch 2.11 on an H100 machine).
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+template <class T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <class... A>
+std::string cat(const A&... parts) {
+  std::string s;
+  (append(s, parts), ...);
+  return s;
+}
+#define FP8OPS_CHECK(cond, ...) TORCH_CHECK(cond, cat(__VA_ARGS__))
+
+std::string shape_str(c10::ArrayRef<int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+std::string shape_str(const at::Tensor& t) { return shape_str(t.sizes()); }
+std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    default: return "dtype #" + std::to_string(static_cast<int>(t));
+  }
+}
 
 fp8ops::DType to_dtype(at::ScalarType t) {
   switch (t) {
@@ -18,19 +62,19 @@ fp8ops::DType to_dtype(at::ScalarType t) {
     case at::kFloat8_e4m3fn: return fp8ops::DType::kE4M3;
     case at::kFloat8_e5m2: return fp8ops::DType::kE5M2;
     case at::kByte: return fp8ops::DType::kUInt8;
-    default: TORCH_CHECK(false, "fp8ops: unsupported dtype ", t);
+    default: FP8OPS_CHECK(false, "fp8ops: unsupported dtype ", dtype_str(t));
   }
 }
 
 void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "fp8ops: ", name, " must be a CUDA tensor, got ", t.device());
+  FP8OPS_CHECK(t.is_cuda(), "fp8ops: ", name, " must be a CUDA tensor, got ", t.device().str());
 }
 
 void check_input(const at::Tensor& x, const char* name) {
   check_cuda(x, name);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+  FP8OPS_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                   x.scalar_type() == at::kHalf,
-              "fp8ops: ", name, " must be float32, bfloat16 or float16, got ", x.scalar_type());
+              "fp8ops: ", name, " must be float32, bfloat16 or float16, got ", dtype_str(x.scalar_type()));
 }
 
 cudaStream_t stream_of(const at::Tensor& t) {
@@ -50,31 +94,31 @@ at::Tensor amax_cuda(const at::Tensor& x) {
 // ==== BEGIN cast bindings (issue 3) ====
 void check_fp8(const at::Tensor& t, const char* name) {
   check_cuda(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
-              "fp8ops: ", name, " must be float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
+  FP8OPS_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
+              "fp8ops: ", name, " must be float8_e4m3fn or float8_e5m2, got ", dtype_str(t.scalar_type()));
 }
 
 void check_fp8_dtype(at::ScalarType t, const char* name) {
-  TORCH_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
-              "fp8ops: ", name, " must be torch.float8_e4m3fn or torch.float8_e5m2, got ", t);
+  FP8OPS_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
+              "fp8ops: ", name, " must be torch.float8_e4m3fn or torch.float8_e5m2, got ", dtype_str(t));
 }
 
 void check_out_dtype(at::ScalarType t) {
-  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
-              "fp8ops: out_dtype must be float32, bfloat16 or float16, got ", t);
+  FP8OPS_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+              "fp8ops: out_dtype must be float32, bfloat16 or float16, got ", dtype_str(t));
 }
 
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* na, const char* nb) {
-  TORCH_CHECK(a.device() == b.device(), "fp8ops: ", na, " (", a.device(), ") and ", nb, " (",
-              b.device(), ") must be on the same device");
+  FP8OPS_CHECK(a.device() == b.device(), "fp8ops: ", na, " (", a.device().str(), ") and ", nb, " (",
+              b.device().str(), ") must be on the same device");
 }
 
 // A one-element float32 tensor on x's device (the per-tensor scale / scale_inv), contiguous.
 at::Tensor cast_scale_f32(const at::Tensor& s, const at::Tensor& x, const char* name) {
   check_cuda(s, name);
   check_same_device(s, x, name, "the input");
-  TORCH_CHECK(s.numel() == 1, "fp8ops: ", name, " must have one element, got shape ", s.sizes());
-  TORCH_CHECK(s.is_floating_point(), "fp8ops: ", name, " must be floating point, got ", s.scalar_type());
+  FP8OPS_CHECK(s.numel() == 1, "fp8ops: ", name, " must have one element, got shape ", shape_str(s));
+  FP8OPS_CHECK(s.is_floating_point(), "fp8ops: ", name, " must be floating point, got ", dtype_str(s.scalar_type()));
   return s.to(at::kFloat).contiguous();
 }
 
@@ -134,15 +178,15 @@ struct MxView {
   int64_t axis, outer = 1, len, inner = 1;
 };
 MxView mx_view(const at::Tensor& x, int64_t block_size, int64_t axis, const char* op) {
-  TORCH_CHECK(x.dim() >= 1, "fp8ops: ", op, ": needs a tensor with at least one dimension");
-  TORCH_CHECK(axis >= -x.dim() && axis < x.dim(), "fp8ops: ", op, ": axis ", axis,
+  FP8OPS_CHECK(x.dim() >= 1, "fp8ops: ", op, ": needs a tensor with at least one dimension");
+  FP8OPS_CHECK(axis >= -x.dim() && axis < x.dim(), "fp8ops: ", op, ": axis ", axis,
               " out of range for a tensor of ", x.dim(), " dimensions");
-  TORCH_CHECK(block_size > 0 && block_size <= (1 << 20), "fp8ops: ", op, ": block_size must be in [1, 2^20], got ",
+  FP8OPS_CHECK(block_size > 0 && block_size <= (1 << 20), "fp8ops: ", op, ": block_size must be in [1, 2^20], got ",
               block_size);
   MxView v;
   v.axis = axis < 0 ? axis + x.dim() : axis;
   v.len = x.size(v.axis);
-  TORCH_CHECK(v.len % block_size == 0, "fp8ops: ", op, ": the length along axis ", axis, " (", v.len,
+  FP8OPS_CHECK(v.len % block_size == 0, "fp8ops: ", op, ": the length along axis ", axis, " (", v.len,
               ") must be a multiple of block_size (", block_size, ")");
   for (int64_t d = 0; d < v.axis; ++d) v.outer *= x.size(d);
   for (int64_t d = v.axis + 1; d < x.dim(); ++d) v.inner *= x.size(d);
@@ -182,13 +226,13 @@ at::Tensor dequantize_mx_cuda(const at::Tensor& data, const at::Tensor& scales, 
   check_cuda(scales, "scales");
   check_same_device(data, scales, "data", "scales");
   check_out_dtype(out_dtype);
-  TORCH_CHECK(scales.scalar_type() == at::kByte, "fp8ops: dequantize_mx: scales must be uint8 (E8M0 bytes), got ",
-              scales.scalar_type());
+  FP8OPS_CHECK(scales.scalar_type() == at::kByte, "fp8ops: dequantize_mx: scales must be uint8 (E8M0 bytes), got ",
+              dtype_str(scales.scalar_type()));
   const MxView v = mx_view(data, block_size, axis, "dequantize_mx");
   std::vector<int64_t> sshape(data.sizes().begin(), data.sizes().end());
   sshape[v.axis] = v.len / block_size;
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef(sshape), "fp8ops: dequantize_mx: scales must have shape ",
-              at::IntArrayRef(sshape), " for data of shape ", data.sizes(), ", got ", scales.sizes());
+  FP8OPS_CHECK(scales.sizes() == at::IntArrayRef(sshape), "fp8ops: dequantize_mx: scales must have shape ",
+              shape_str(sshape), " for data of shape ", shape_str(data), ", got ", shape_str(scales));
   c10::cuda::CUDAGuard guard(data.device());
   at::Tensor dc = data.contiguous(), sc = scales.contiguous();
   at::Tensor out = at::empty(dc.sizes(), dc.options().dtype(out_dtype));
@@ -208,7 +252,7 @@ at::Tensor dequantize_mx_cuda(const at::Tensor& data, const at::Tensor& scales, 
 }
 
 void check_block(int64_t block_rows, int64_t block_cols, const char* op) {
-  TORCH_CHECK(block_rows > 0 && block_cols > 0 && block_rows * block_cols <= (int64_t(1) << 24), "fp8ops: ", op,
+  FP8OPS_CHECK(block_rows > 0 && block_cols > 0 && block_rows * block_cols <= (int64_t(1) << 24), "fp8ops: ", op,
               ": block_rows and block_cols must be positive with at most 2^24 elements per block, got ",
               block_rows, " x ", block_cols);
 }
@@ -250,11 +294,11 @@ at::Tensor dequantize_blockwise_cuda(const at::Tensor& data, const at::Tensor& s
   check_block(block_rows, block_cols, "dequantize_blockwise");
   auto [rows, cols] = rows_cols(data);
   const int64_t rb = (rows + block_rows - 1) / block_rows, cb = (cols + block_cols - 1) / block_cols;
-  TORCH_CHECK(scale_inv.dim() == 2 && scale_inv.size(0) == rb && scale_inv.size(1) == cb,
+  FP8OPS_CHECK(scale_inv.dim() == 2 && scale_inv.size(0) == rb && scale_inv.size(1) == cb,
               "fp8ops: dequantize_blockwise: scale_inv must have shape [", rb, ", ", cb, "] for data of shape ",
-              data.sizes(), " and blocks ", block_rows, "x", block_cols, ", got ", scale_inv.sizes());
-  TORCH_CHECK(scale_inv.is_floating_point(), "fp8ops: dequantize_blockwise: scale_inv must be floating point, got ",
-              scale_inv.scalar_type());
+              shape_str(data), " and blocks ", block_rows, "x", block_cols, ", got ", shape_str(scale_inv));
+  FP8OPS_CHECK(scale_inv.is_floating_point(), "fp8ops: dequantize_blockwise: scale_inv must be floating point, got ",
+              dtype_str(scale_inv.scalar_type()));
   c10::cuda::CUDAGuard guard(data.device());
   at::Tensor dc = data.contiguous(), sc = scale_inv.to(at::kFloat).contiguous();
   at::Tensor out = at::empty(dc.sizes(), dc.options().dtype(out_dtype));
@@ -283,30 +327,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
   for (const auto& [t, name] : f32s) {
     check_cuda(*t, name);
     check_same_device(*t, amax_history, name, "amax_history");
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "fp8ops: ", op, ": ", name, " must be float32, got ",
-                t->scalar_type());
-    TORCH_CHECK(t == &amax_history || t->numel() == 1, "fp8ops: ", op, ": ", name,
-                " must have one element, got shape ", t->sizes());
+    FP8OPS_CHECK(t->scalar_type() == at::kFloat, "fp8ops: ", op, ": ", name, " must be float32, got ",
+                dtype_str(t->scalar_type()));
+    FP8OPS_CHECK(t == &amax_history || t->numel() == 1, "fp8ops: ", op, ": ", name,
+                " must have one element, got shape ", shape_str(*t));
   }
   check_cuda(step, "step");
   check_same_device(step, amax_history, "step", "amax_history");
-  TORCH_CHECK(!step.is_floating_point() && !step.is_complex() && step.scalar_type() != at::kBool &&
+  FP8OPS_CHECK(!step.is_floating_point() && !step.is_complex() && step.scalar_type() != at::kBool &&
                   step.numel() == 1,
-              "fp8ops: ", op, ": step must be a one-element integer tensor, got ", step.scalar_type(), " ",
-              step.sizes());
-  TORCH_CHECK(amax_history.dim() == 1 && amax_history.numel() >= 1 && amax_history.numel() <= fp8ops::kMaxHistory,
+              "fp8ops: ", op, ": step must be a one-element integer tensor, got ", dtype_str(step.scalar_type()), " ",
+              shape_str(step));
+  FP8OPS_CHECK(amax_history.dim() == 1 && amax_history.numel() >= 1 && amax_history.numel() <= fp8ops::kMaxHistory,
               "fp8ops: ", op, ": amax_history must be 1-D with 1 to ", fp8ops::kMaxHistory,
-              " entries (the CUDA kernel sorts it in one block), got shape ", amax_history.sizes());
-  TORCH_CHECK(interval >= 1, "fp8ops: ", op, ": interval must be >= 1, got ", interval);
+              " entries (the CUDA kernel sorts it in one block), got shape ", shape_str(amax_history));
+  FP8OPS_CHECK(interval >= 1, "fp8ops: ", op, ": interval must be >= 1, got ", interval);
   fp8ops::AmaxAlgo a;
   if (algo == "max") a = fp8ops::AmaxAlgo::kMax;
   else if (algo == "most_recent") a = fp8ops::AmaxAlgo::kMostRecent;
   else if (algo == "ema") a = fp8ops::AmaxAlgo::kEma;
   else if (algo == "percentile") a = fp8ops::AmaxAlgo::kPercentile;
-  else TORCH_CHECK(false, "fp8ops: ", op, ": unknown amax_compute_algo '", std::string(algo),
+  else FP8OPS_CHECK(false, "fp8ops: ", op, ": unknown amax_compute_algo '", std::string(algo),
                    "'; expected one of max, most_recent, ema, percentile");
   // rank ceil(p / 100 * n) must stay within the n filled slots (the kernel indexes shared memory with it)
-  TORCH_CHECK(a != fp8ops::AmaxAlgo::kPercentile || percentile <= 100.0, "fp8ops: ", op,
+  FP8OPS_CHECK(a != fp8ops::AmaxAlgo::kPercentile || percentile <= 100.0, "fp8ops: ", op,
               ": percentile must be at most 100, got ", percentile);
   c10::cuda::CUDAGuard guard(amax_history.device());
   at::Tensor hist = amax_history.contiguous(), st = step.to(at::kLong).contiguous();
@@ -344,13 +388,13 @@ bool has_cutlass_sm90() { return fp8ops::gemm_sm90_available(); }
 // Compute capability as major * 10 + minor, cached per device (read once, no sync).
 int device_cc(int dev) {
   static std::atomic<int> cache[64];
-  TORCH_CHECK(dev >= 0 && dev < 64, "fp8ops: device index ", dev, " out of range");
+  FP8OPS_CHECK(dev >= 0 && dev < 64, "fp8ops: device index ", dev, " out of range");
   int cc = cache[dev].load(std::memory_order_relaxed);
   if (cc == 0) {
     int major = 0, minor = 0;
     cudaError_t e1 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaError_t e2 = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    TORCH_CHECK(e1 == cudaSuccess && e2 == cudaSuccess, "fp8ops: cudaDeviceGetAttribute failed: ",
+    FP8OPS_CHECK(e1 == cudaSuccess && e2 == cudaSuccess, "fp8ops: cudaDeviceGetAttribute failed: ",
                 cudaGetErrorString(e1 != cudaSuccess ? e1 : e2));
     cc = major * 10 + minor;
     cache[dev].store(cc, std::memory_order_relaxed);
@@ -383,8 +427,8 @@ at::Tensor tma_operand(const at::Tensor& x, int64_t rows_pad, int64_t cols_pad) 
 
 at::Tensor scalar_f32(const at::Tensor& s, const at::Tensor& like, const char* name) {
   check_cuda(s, name);
-  TORCH_CHECK(s.device() == like.device(), "fp8ops: ", name, " must be on ", like.device());
-  TORCH_CHECK(s.numel() == 1, "fp8ops: ", name, " must hold one element, got shape ", s.sizes());
+  FP8OPS_CHECK(s.device() == like.device(), "fp8ops: ", name, " must be on ", like.device().str());
+  FP8OPS_CHECK(s.numel() == 1, "fp8ops: ", name, " must hold one element, got shape ", shape_str(s));
   return s.to(at::kFloat).reshape({}).contiguous();
 }
 
@@ -392,23 +436,23 @@ void check_gemm_args(const at::Tensor& a, const at::Tensor& b, const std::option
                      at::ScalarType out_dtype, const char* op) {
   check_cuda(a, "a");
   check_cuda(b, "b");
-  TORCH_CHECK(a.device() == b.device(), "fp8ops.", op, ": a and b must be on the same device");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8ops.", op, ": a [M,K] and b [N,K] must be 2-D, got ",
-              a.sizes(), " and ", b.sizes());
-  TORCH_CHECK(a.size(1) == b.size(1), "fp8ops.", op, ": K mismatch: a ", a.sizes(), ", b ", b.sizes());
-  TORCH_CHECK(is_fp8(a.scalar_type()) && is_fp8(b.scalar_type()), "fp8ops.", op,
-              ": a and b must be float8_e4m3fn or float8_e5m2, got ", a.scalar_type(), " and ",
-              b.scalar_type());
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
-              "fp8ops.", op, ": out_dtype must be bfloat16, float16 or float32, got ", out_dtype);
+  FP8OPS_CHECK(a.device() == b.device(), "fp8ops.", op, ": a and b must be on the same device");
+  FP8OPS_CHECK(a.dim() == 2 && b.dim() == 2, "fp8ops.", op, ": a [M,K] and b [N,K] must be 2-D, got ",
+              shape_str(a), " and ", shape_str(b));
+  FP8OPS_CHECK(a.size(1) == b.size(1), "fp8ops.", op, ": K mismatch: a ", shape_str(a), ", b ", shape_str(b));
+  FP8OPS_CHECK(is_fp8(a.scalar_type()) && is_fp8(b.scalar_type()), "fp8ops.", op,
+              ": a and b must be float8_e4m3fn or float8_e5m2, got ", dtype_str(a.scalar_type()), " and ",
+              dtype_str(b.scalar_type()));
+  FP8OPS_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
+              "fp8ops.", op, ": out_dtype must be bfloat16, float16 or float32, got ", dtype_str(out_dtype));
   if (bias) {
     check_cuda(*bias, "bias");
-    TORCH_CHECK(bias->device() == a.device(), "fp8ops.", op, ": bias must be on ", a.device());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == b.size(0), "fp8ops.", op,
-                ": bias must have shape [N] = [", b.size(0), "], got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
+    FP8OPS_CHECK(bias->device() == a.device(), "fp8ops.", op, ": bias must be on ", a.device().str());
+    FP8OPS_CHECK(bias->dim() == 1 && bias->size(0) == b.size(0), "fp8ops.", op,
+                ": bias must have shape [N] = [", b.size(0), "], got ", shape_str(*bias));
+    FP8OPS_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
                     bias->scalar_type() == at::kHalf,
-                "fp8ops.", op, ": bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
+                "fp8ops.", op, ": bias must be float32, bfloat16 or float16, got ", dtype_str(bias->scalar_type()));
   }
 }
 
@@ -417,6 +461,18 @@ void check_gemm_args(const at::Tensor& a, const at::Tensor& b, const std::option
 at::Tensor finish(at::Tensor acc, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   if (bias) acc = acc + bias->to(at::kFloat);
   return acc.to(out_dtype).contiguous();
+}
+
+// Output elements per 16 bytes: the TMA epilogue's unit for N and the output row stride.
+int64_t out_align(at::ScalarType dt) { return 16 / static_cast<int64_t>(c10::elementSize(dt)); }
+
+// bias as float32 [n_pad], zeros past its end.
+at::Tensor padded_bias(const at::Tensor& bias, int64_t n_pad) {
+  at::Tensor f = bias.to(at::kFloat).contiguous();
+  if (f.size(0) == n_pad) return f;
+  at::Tensor out = at::zeros({n_pad}, f.options());
+  out.narrow(0, 0, f.size(0)).copy_(f);
+  return out;
 }
 
 // Output buffer whose leading dimension meets TMA's 16-byte rule; crop() returns [M, N] contiguous.
@@ -441,9 +497,12 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
 at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
                              const at::Tensor& sb, const std::optional<at::Tensor>& bias,
                              at::ScalarType out_dtype, bool fast_accum) {
+  // TMA needs 16-byte rows: K is padded to 16 and N to 16 bytes of output (zero rows of B and
+  // zero bias entries make the padding columns, which crop() drops).
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1), Kp = round_up(K, 16);
-  at::Tensor ap = tma_operand(a, M, Kp), bp = tma_operand(b, N, Kp);  // zero K padding adds 0
-  at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t Np = round_up(N, out_align(out_dtype));
+  at::Tensor ap = tma_operand(a, M, Kp), bp = tma_operand(b, Np, Kp);  // zero K padding adds 0
+  at::Tensor bias_f = bias ? padded_bias(*bias, Np) : at::Tensor();
   PaddedOut out(M, M, N, out_dtype, a);
   fp8ops::GemmParams p{};
   p.a = ap.data_ptr();
@@ -452,7 +511,7 @@ at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at:
   p.b_dtype = to_dtype(b.scalar_type());
   p.out_dtype = to_dtype(out_dtype);
   p.m = M;
-  p.n = N;
+  p.n = Np;
   p.k = Kp;
   p.lda = ap.stride(0);
   p.ldb = bp.stride(0);
@@ -469,7 +528,7 @@ at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at:
     p.workspace_bytes = ws_bytes;
     fp8ops::launch_gemm_sm90(p, stream_of(a));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
+    FP8OPS_CHECK(false, e.what());
   }
   return out.crop();
 }
@@ -522,17 +581,17 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
   check_gemm_args(a, b, bias, out_dtype, "gemm_blockwise");
   check_cuda(a_scale_inv, "a_scale_inv");
   check_cuda(b_scale_inv, "b_scale_inv");
-  TORCH_CHECK(a_scale_inv.device() == a.device() && b_scale_inv.device() == a.device(),
-              "fp8ops.gemm_blockwise: a_scale_inv and b_scale_inv must be on ", a.device());
+  FP8OPS_CHECK(a_scale_inv.device() == a.device() && b_scale_inv.device() == a.device(),
+              "fp8ops.gemm_blockwise: a_scale_inv and b_scale_inv must be on ", a.device().str());
   c10::cuda::CUDAGuard guard(a.device());
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1), Kb = (K + 127) / 128, Nb = (N + 127) / 128;
-  TORCH_CHECK(a_scale_inv.dim() == 2 && a_scale_inv.size(0) == M && a_scale_inv.size(1) == Kb,
+  FP8OPS_CHECK(a_scale_inv.dim() == 2 && a_scale_inv.size(0) == M && a_scale_inv.size(1) == Kb,
               "fp8ops.gemm_blockwise: a_scale_inv must be [M, ceil(K/128)] = [", M, ", ", Kb, "], got ",
-              a_scale_inv.sizes());
+              shape_str(a_scale_inv));
   const bool per_row = b_scale_inv.dim() == 2 && b_scale_inv.size(0) == N;  // as the emulation decides
-  TORCH_CHECK(b_scale_inv.dim() == 2 && (per_row || b_scale_inv.size(0) == Nb) && b_scale_inv.size(1) == Kb,
+  FP8OPS_CHECK(b_scale_inv.dim() == 2 && (per_row || b_scale_inv.size(0) == Nb) && b_scale_inv.size(1) == Kb,
               "fp8ops.gemm_blockwise: b_scale_inv must be [N, Kb] = [", N, ", ", Kb,
-              "] (1x128) or [ceil(N/128), Kb] = [", Nb, ", ", Kb, "] (128x128), got ", b_scale_inv.sizes());
+              "] (1x128) or [ceil(N/128), Kb] = [", Nb, ", ", Kb, "] (128x128), got ", shape_str(b_scale_inv));
   if (M == 0 || N == 0 || K == 0)  // nothing to accumulate: bias only, no launch
     return finish(at::zeros({M, N}, a.options().dtype(at::kFloat)), bias, out_dtype);
 
@@ -546,15 +605,23 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
   }
 
   // CUTLASS reads the A scales with TMA in the 128x128 configuration: M padded to 4 there.
+  // float16 has no kernel of its own: float32 out, rounded once to float16 below.
+  at::ScalarType kernel_dtype = out_dtype == at::kHalf ? at::kFloat : out_dtype;
+  // TMA: K padded to 16, N to 16 bytes of output (zero rows of B, cropped away).
   const int64_t Mp = per_row ? M : round_up(M, 4), Kp = round_up(K, 16);
-  at::Tensor ap = tma_operand(a, Mp, Kp), bp = tma_operand(b, N, Kp);
-  // CUTLASS's sm90 blockwise mainloop takes MN-major scales: [Kb, M] and [Kb, N or Nb].
+  const int64_t Np = round_up(N, out_align(kernel_dtype));
+  at::Tensor ap = tma_operand(a, Mp, Kp), bp = tma_operand(b, Np, Kp);
+  // CUTLASS's sm90 blockwise mainloop takes MN-major scales: [Kb, M] and [Kb, N or Nb]. Padding
+  // rows and columns get scale 1 (their data is zero).
   at::Tensor sfa = at::ones({Kb, Mp}, a.options().dtype(at::kFloat));
   sfa.narrow(1, 0, M).copy_(a_scale_inv.t());
   at::Tensor sfb = b_scale_inv.to(at::kFloat).t().contiguous();
-  // float16 has no kernel of its own: float32 out, rounded once to float16 below.
-  at::ScalarType kernel_dtype = out_dtype == at::kHalf ? at::kFloat : out_dtype;
-  at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  if (per_row && Np != N) {
+    at::Tensor padded = at::ones({Kb, Np}, sfb.options());
+    padded.narrow(1, 0, N).copy_(sfb);
+    sfb = padded;
+  }
+  at::Tensor bias_f = bias ? padded_bias(*bias, Np) : at::Tensor();
   PaddedOut out(Mp, M, N, kernel_dtype, a);
   fp8ops::GemmBlockwiseParams p{};
   p.a = ap.data_ptr();
@@ -563,7 +630,7 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
   p.b_dtype = to_dtype(b.scalar_type());
   p.out_dtype = to_dtype(kernel_dtype);
   p.m = Mp;
-  p.n = N;
+  p.n = Np;
   p.k = Kp;
   p.lda = ap.stride(0);
   p.ldb = bp.stride(0);
@@ -580,7 +647,7 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
     p.workspace_bytes = ws_bytes;
     fp8ops::launch_gemm_blockwise_sm90(p, stream_of(a));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
+    FP8OPS_CHECK(false, e.what());
   }
   at::Tensor d = out.crop();
   return kernel_dtype == out_dtype ? d : d.to(out_dtype);

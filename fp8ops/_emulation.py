@@ -109,7 +109,8 @@ def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int) -> torch.Tenso
     k = a / ulp  # exact: ulp is a power of two and k stays small
     fk = torch.floor(k)
     up = (k - fk) > u
-    mag = torch.minimum((fk + up.to(torch.float32)) * ulp, torch.tensor(fmt.max, device=y.device))
+    fmax = torch.full((), fmt.max, dtype=torch.float32, device=y.device)
+    mag = torch.minimum((fk + up.to(torch.float32)) * ulp, fmax)
     res = torch.where(nonzero, torch.copysign(mag, y), y)  # keeps signed zero and NaN
     return _rne_fp8(res, fmt)  # exact: res is already an FP8 value (or NaN)
 
@@ -210,7 +211,7 @@ def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
     zero, bad = amax_b == 0, ~torch.isfinite(amax_b)
     # tensor / tensor: one correctly rounded division on every device (torch turns a division
     # by a Python scalar into a multiply by its reciprocal on CUDA)
-    fmax = torch.tensor(fmt.max, dtype=torch.float32, device=amax_b.device)
+    fmax = torch.full((), fmt.max, dtype=torch.float32, device=amax_b.device)
     scale_inv = amax_b / fmax
     scale = fmax / amax_b
     if power_of_two:  # round scale_inv up to a power of two; scale is then its exact inverse
@@ -256,8 +257,8 @@ def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float
     """scale = max / (amax * margin); unchanged for amax 0 or non-finite; inf -> FLT_MAX;
     0 (amax * margin overflowed) -> FLT_MIN; power_of_two rounds down to a power of two."""
     amax = amax.float()
-    denom = amax * torch.tensor(margin, dtype=torch.float32, device=amax.device)
-    s = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / denom
+    denom = amax * torch.full((), margin, dtype=torch.float32, device=amax.device)
+    s = torch.full((), fp8_max, dtype=torch.float32, device=amax.device) / denom
     s = torch.where(torch.isinf(s), FLT_MAX, s)
     s = torch.where(s == 0, FLT_MIN, s)
     if power_of_two:
@@ -288,14 +289,14 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     elif algo == "most_recent":
         rep = hist[0]
     elif algo == "ema":
-        a = torch.tensor(ema_alpha, dtype=torch.float32, device=hist.device)
-        b = torch.tensor(1.0 - ema_alpha, dtype=torch.float32, device=hist.device)
+        a = torch.full((), ema_alpha, dtype=torch.float32, device=hist.device)
+        b = torch.full((), 1.0 - ema_alpha, dtype=torch.float32, device=hist.device)
         rep = torch.where(n_updates <= 1, hist[0], a * hist[0] + b * amax_rep)
     elif algo == "percentile":  # nearest rank over the filled slots (unfilled slots are 0)
         n = n_updates.clamp(1, L)
         srt = torch.sort(hist).values
-        rank = torch.ceil(torch.tensor(percentile / 100.0, dtype=torch.float64,
-                                       device=hist.device) * n).long().clamp(1, L)
+        q = torch.full((), percentile / 100.0, dtype=torch.float64, device=hist.device)
+        rank = torch.ceil(q * n).long().clamp(1, L)
         rep = srt.gather(0, (L - n + rank - 1).reshape(1)).reshape(())
     else:
         raise ValueError(f"unknown amax_compute_algo {algo!r}; expected one of {_ALGOS}")

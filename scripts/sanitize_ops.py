@@ -1,5 +1,9 @@
 """Runs every fp8ops cast and GEMM op once on small CUDA tensors (odd sizes, misaligned views), for
-compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck."""
+compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck. With --race it runs only
+the kernels that share data through shared memory (the fused cast+transpose and the percentile
+scale update), for --tool racecheck, which is slow on the GEMMs."""
+import sys
+
 import torch
 
 import fp8ops  # noqa: F401
@@ -9,6 +13,19 @@ assert torch.cuda.is_available(), "needs a CUDA GPU"
 assert _backend.extension_loaded(), "fp8ops._C not loaded: " + _backend._state["why_not"]
 ops = torch.ops.fp8ops
 F8 = torch.float8_e4m3fn
+if "--race" in sys.argv:
+    x = (torch.randn(257, 300, device="cuda") * 3).to(torch.bfloat16)
+    s = torch.tensor(2.0, device="cuda")
+    for stoch in (False, True):
+        ops.quantize(x, s, F8, True, stoch, 1, 2)
+        ops.quantize(x[:256, :256].contiguous(), s, F8, True, stoch, 1, 2)
+    ops.delayed_scale_update(torch.rand(1024, device="cuda"), torch.ones(1, device="cuda"),
+                             torch.tensor(1.0, device="cuda"), torch.tensor(3.0, device="cuda"),
+                             torch.tensor(4, device="cuda"), 448.0, 1.0, 1, "percentile", 0.1, 90.0,
+                             False)
+    torch.cuda.synchronize()
+    print("sanitize_ops --race: the shared-memory kernels ran")
+    sys.exit(0)
 for dt in (torch.float32, torch.bfloat16, torch.float16):
     x = (torch.randn(37, 129, device="cuda") * 10).to(dt)
     s = torch.tensor(2.0, device="cuda")
@@ -25,7 +42,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         if xm.shape[axis] % 32 == 0 or axis == 1:
             d, sc = ops.quantize_mx(xm, F8, 32, axis, True)
             ops.dequantize_mx(d, sc, 32, axis, dt)
-    d, sc = ops.quantize_mx(xm.reshape(-1)[1:2881], F8, 32, -1, False)
+    d, sc = ops.quantize_mx(xm.reshape(-1)[1:2849], F8, 32, -1, False)
     for blk in ((1, 128), (128, 128), (3, 5)):
         d, si = ops.quantize_blockwise(x, F8, blk[0], blk[1], True)
         ops.dequantize_blockwise(d, si, blk[0], blk[1], dt)
@@ -36,7 +53,7 @@ for algo in ("max", "most_recent", "ema", "percentile"):
                                  torch.tensor(4, device="cuda"), 448.0, 1.0, 1, algo, 0.1, 90.0, False)
 # GEMMs: odd M, N and K (padding paths), both operand pairs, bias or not, both B scale shapes
 s = torch.tensor(0.5, device="cuda")
-for m, n, k in [(1, 72, 200), (17, 1000, 1040), (300, 384, 512)]:
+for m, n, k in [(1, 72, 200), (17, 1000, 1040), (300, 384, 512), (7, 1001, 48), (3, 17, 16)]:
     kb = -(-k // 128)
     for a_dt in (F8, torch.float8_e5m2):
         a = torch.randn(m, k, device="cuda").to(a_dt)
