@@ -5,8 +5,10 @@ it). Install with `pip install --no-build-isolation .` so the build sees the tor
 CUTLASS headers come from the nvidia-cutlass package (pip install --no-deps nvidia-cutlass) or
 from CUTLASS_PATH (a CUTLASS checkout).
 
-Architectures: cast kernels are built for sm_89 and sm_90a (or TORCH_CUDA_ARCH_LIST when set);
-the CUTLASS GEMM files (csrc/gemm_sm90*.cu) only for sm_90a, always with -DNDEBUG.
+Architectures: cast kernels are built for sm_89 and sm_90a with compute_90 PTX for newer GPUs
+(or TORCH_CUDA_ARCH_LIST when set, read as torch reads it); the CUTLASS GEMM files
+(csrc/gemm_sm90*.cu) only for sm_90a, always with -DNDEBUG. fp8ops/_build_info.py records the
+targets, so fp8ops never loads kernels that cannot run on the visible GPUs.
 """
 import glob
 import os
@@ -32,14 +34,45 @@ def _cutlass_includes():
     return [os.path.join(src, "include"), os.path.join(src, "tools", "util", "include")]
 
 
-def _cast_gencodes():
-    """-gencode flags for the cast kernels: TORCH_CUDA_ARCH_LIST if set, else 8.9 and 9.0a."""
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.9;9.0a").replace(",", ";").split(";")
-    flags = []
-    for arch in filter(None, (a.strip() for a in archs)):
-        num = arch.replace(".", "").replace("+PTX", "")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+# Default targets of the cast kernels: machine code for Ada and Hopper, plus compute_90 PTX that
+# the driver compiles for any newer GPU (Blackwell), so no visible FP8 GPU lacks a kernel image.
+DEFAULT_ARCHS = "8.9;9.0a;9.0+PTX"
+
+
+def parse_arch_list(text):
+    """TORCH_CUDA_ARCH_LIST as torch reads it: entries separated by ';', ',' or spaces, each
+    "X.Y" (machine code), "X.Ya" (arch-specific machine code) or with "+PTX" (PTX too).
+    Returns (sass, ptx): lists of "XY" / "XYa" strings."""
+    sass, ptx = [], []
+    for entry in text.replace(",", " ").replace(";", " ").split():
+        with_ptx = entry.endswith("+PTX")
+        arch = entry[:-4] if with_ptx else entry
+        if not re.fullmatch(r"\d+\.\d+a?", arch):
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST: cannot read {entry!r} (expected e.g. 8.9, 9.0a, 9.0+PTX)")
+        num = arch.replace(".", "")
+        if num not in sass and not (with_ptx and num + "a" in sass):
+            sass.append(num)
+        if with_ptx and num not in ptx:
+            ptx.append(num.rstrip("a"))
+    return sass, ptx
+
+
+def _cast_gencodes(sass, ptx):
+    """-gencode flags for the cast kernels."""
+    flags = [f"-gencode=arch=compute_{n},code=sm_{n}" for n in sass]
+    flags += [f"-gencode=arch=compute_{n},code=compute_{n}" for n in ptx]
     return flags
+
+
+def _write_build_info(sass, ptx, cutlass_gemm):
+    """fp8ops/_build_info.py: which GPUs the built kernels serve, read by fp8ops._backend before
+    it loads the extension (a GPU with neither machine code nor PTX at or below its arch falls
+    back to the emulation, with the reason)."""
+    with open(os.path.join(HERE, "fp8ops", "_build_info.py"), "w") as f:
+        f.write('"""Written by setup.py when it builds fp8ops._C: the targets of its cast kernels."""\n')
+        f.write(f"SASS = {sorted(set(n.rstrip('a') for n in sass))!r}\n")
+        f.write(f"PTX = {sorted(ptx)!r}\n")
+        f.write(f"CUTLASS_SM90 = {cutlass_gemm!r}\n")
 
 
 def _cuda_extension():
@@ -65,8 +98,10 @@ def _cuda_extension():
         raise RuntimeError("fp8ops: CUTLASS headers not found. `pip install --no-deps "
                            "nvidia-cutlass` or set CUTLASS_PATH, or FP8OPS_SKIP_CUDA_BUILD=1.")
     sources = sorted(glob.glob("csrc/*.cu")) + ["csrc/torch_bindings.cpp"]
+    sass, ptx = parse_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS)
+    _write_build_info(sass, ptx, cutlass_gemm=True)
     nvcc = ["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-lineinfo",
-            "-Xcompiler=-fno-strict-aliasing"] + _cast_gencodes()
+            "-Xcompiler=-fno-strict-aliasing"] + _cast_gencodes(sass, ptx)
     # CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL stays undefined: CUTLASS then fetches
     # cuTensorMapEncodeTiled through cudart, so _C never links libcuda and imports without a driver.
     ext = cpp_extension.CUDAExtension(

@@ -21,7 +21,7 @@ struct AmaxParams {
 };
 void launch_amax(const AmaxParams& p, cudaStream_t stream);
 
-// ==== BEGIN cast kernels (issue 3) ====
+// ==== BEGIN cast kernels ====
 // All tensors are contiguous, row-major. FP8 data and E8M0 scales are raw bytes.
 
 // data = FP8(x * *scale) (nearest or stochastic), *amax = max |x|, and optionally data_t, the
@@ -128,7 +128,7 @@ struct DelayedScaleParams {
 void launch_delayed_scale_update(const DelayedScaleParams& p, cudaStream_t stream);
 // ==== END cast kernels ====
 
-// ==== BEGIN gemm (issue 4) ====
+// ==== BEGIN gemm ====
 // CUTLASS Hopper FP8 GEMM (gemm_sm90*.cu, sm_90a): D[M,N] = alpha * (A[M,K] @ B[N,K]^T) + bias[N],
 // FP32 accumulation, A and B K-major (row-major, TN). Operand pairs E4M3 x E4M3 and E5M2 x E4M3;
 // D bfloat16, float16 or float32. The caller pads: K % 16 == 0, lda/ldb % 16 == 0 (elements),
@@ -175,6 +175,19 @@ struct GemmBlockwiseParams {
 };
 size_t gemm_blockwise_sm90_workspace_size(const GemmBlockwiseParams& p);
 void launch_gemm_blockwise_sm90(const GemmBlockwiseParams& p, cudaStream_t stream);
+
+// The problem a logical [m, k] x [n, k] product is given to the sm90 kernels as: TMA needs k and
+// each output row (n elements of out_dtype) in whole 16-byte units, and with 128x128 B scales
+// the A scales' TMA needs m % 4 == 0. The caller zero-pads the operands (and bias) to this shape
+// and crops the result; the host test of CUTLASS's can_implement uses the same rule.
+struct Sm90Problem {
+  int64_t m, n, k;
+};
+inline int64_t round_up_to(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline Sm90Problem sm90_padded_problem(int64_t m, int64_t n, int64_t k, DType out_dtype, bool pad_m_to_4) {
+  const int64_t per16 = out_dtype == DType::kFloat32 ? 4 : 8;
+  return {pad_m_to_4 ? round_up_to(m, 4) : m, round_up_to(n, per16), round_up_to(k, 16)};
+}
 
 // True when the CUTLASS sm_90a kernels were compiled into this build.
 bool gemm_sm90_available();

@@ -154,11 +154,17 @@ void run_cutlass(Gemm& gemm, const typename Gemm::Arguments& args, void* workspa
                              cutlassGetStatusString(st) + ": " + cudaGetErrorString(cudaGetLastError()) + ")");
 }
 
-inline cutlass::KernelHardwareInfo hw_info(int sm_count) {
+inline cutlass::KernelHardwareInfo hw_info(int sm_count, int device_id) {
   cutlass::KernelHardwareInfo hw;
-  if (cudaGetDevice(&hw.device_id) != cudaSuccess) throw std::runtime_error("fp8ops: cudaGetDevice failed");
+  hw.device_id = device_id;
   hw.sm_count = sm_count;  // cached by the launcher; CUTLASS would otherwise query it per call
   return hw;
+}
+
+inline int current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("fp8ops: cudaGetDevice failed");
+  return dev;
 }
 
 // ---- per-tensor scaled ---------------------------------------------------------------------
@@ -186,7 +192,7 @@ struct GemmSm90Types {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static typename Gemm::Arguments arguments(const GemmParams& p, int sm_count) {
+  static typename Gemm::Arguments arguments(const GemmParams& p, int sm_count, int device_id) {
     using SA = typename Kernel::StrideA;
     using SB = typename Kernel::StrideB;
     using SD = typename Kernel::StrideD;
@@ -200,7 +206,7 @@ struct GemmSm90Types {
                                   {static_cast<const EA*>(p.a), sa, static_cast<const EB*>(p.b), sb},
                                   {epilogue_args<EVT>(p.a_scale_inv, p.b_scale_inv, p.bias), nullptr, sd,
                                    static_cast<ED*>(p.d), sd},
-                                  hw_info(sm_count)};
+                                  hw_info(sm_count, device_id)};
     if constexpr (!kFastAccumTile<C>) args.mainloop.mma_promotion_interval = p.fast_accum ? (1u << 30) : 4u;
     args.scheduler.max_swizzle_size = p.swizzle;
     return args;
@@ -210,14 +216,14 @@ struct GemmSm90Types {
 template <DType A, DType B, DType D, TileConfig C>
 size_t GemmSm90<A, B, D, C>::workspace_size(const GemmParams& p, int sm_count) {
   using Ty = GemmSm90Types<A, B, D, C>;
-  return Ty::Gemm::get_workspace_size(Ty::arguments(p, sm_count));
+  return Ty::Gemm::get_workspace_size(Ty::arguments(p, sm_count, current_device()));
 }
 
 template <DType A, DType B, DType D, TileConfig C>
 void GemmSm90<A, B, D, C>::run(const GemmParams& p, int sm_count, cudaStream_t stream) {
   using Ty = GemmSm90Types<A, B, D, C>;
   typename Ty::Gemm gemm;
-  run_cutlass(gemm, Ty::arguments(p, sm_count), p.workspace, p.workspace_bytes, stream, "gemm_sm90");
+  run_cutlass(gemm, Ty::arguments(p, sm_count, current_device()), p.workspace, p.workspace_bytes, stream, "gemm_sm90");
 }
 
 // ---- blockwise scaled (software promotion with per-block scales, as in CUTLASS example 67) ----
@@ -252,7 +258,7 @@ struct GemmBlockwiseSm90Types {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static typename Gemm::Arguments arguments(const GemmBlockwiseParams& p, int sm_count) {
+  static typename Gemm::Arguments arguments(const GemmBlockwiseParams& p, int sm_count, int device_id) {
     using SA = typename Kernel::StrideA;
     using SB = typename Kernel::StrideB;
     using SD = typename Kernel::StrideD;
@@ -267,7 +273,7 @@ struct GemmBlockwiseSm90Types {
                                    p.b_scales, ScaleConfig::tile_atom_to_shape_SFB(shape)},
                                   {epilogue_args<EVT>(nullptr, nullptr, p.bias), nullptr, sd,
                                    static_cast<ED*>(p.d), sd},
-                                  hw_info(sm_count)};
+                                  hw_info(sm_count, device_id)};
     args.scheduler.max_swizzle_size = p.swizzle;
     return args;
   }
@@ -276,14 +282,14 @@ struct GemmBlockwiseSm90Types {
 template <DType A, DType B, DType D, int G>
 size_t GemmBlockwiseSm90<A, B, D, G>::workspace_size(const GemmBlockwiseParams& p, int sm_count) {
   using Ty = GemmBlockwiseSm90Types<A, B, D, G>;
-  return Ty::Gemm::get_workspace_size(Ty::arguments(p, sm_count));
+  return Ty::Gemm::get_workspace_size(Ty::arguments(p, sm_count, current_device()));
 }
 
 template <DType A, DType B, DType D, int G>
 void GemmBlockwiseSm90<A, B, D, G>::run(const GemmBlockwiseParams& p, int sm_count, cudaStream_t stream) {
   using Ty = GemmBlockwiseSm90Types<A, B, D, G>;
   typename Ty::Gemm gemm;
-  run_cutlass(gemm, Ty::arguments(p, sm_count), p.workspace, p.workspace_bytes, stream, "gemm_blockwise_sm90");
+  run_cutlass(gemm, Ty::arguments(p, sm_count, current_device()), p.workspace, p.workspace_bytes, stream, "gemm_blockwise_sm90");
 }
 
 }  // namespace fp8ops::sm90

@@ -91,7 +91,7 @@ at::Tensor amax_cuda(const at::Tensor& x) {
   return out;
 }
 
-// ==== BEGIN cast bindings (issue 3) ====
+// ==== BEGIN cast bindings ====
 void check_fp8(const at::Tensor& t, const char* name) {
   check_cuda(t, name);
   FP8OPS_CHECK(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2,
@@ -382,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
 }
 // ==== END cast bindings ====
 
-// ==== BEGIN gemm bindings (issue 4) ====
+// ==== BEGIN gemm bindings ====
 bool has_cutlass_sm90() { return fp8ops::gemm_sm90_available(); }
 
 // Compute capability as major * 10 + minor, cached per device (read once, no sync).
@@ -463,9 +463,6 @@ at::Tensor finish(at::Tensor acc, const std::optional<at::Tensor>& bias, at::Sca
   return acc.to(out_dtype).contiguous();
 }
 
-// Output elements per 16 bytes: the TMA epilogue's unit for N and the output row stride.
-int64_t out_align(at::ScalarType dt) { return 16 / static_cast<int64_t>(c10::elementSize(dt)); }
-
 // bias as float32 [n_pad], zeros past its end.
 at::Tensor padded_bias(const at::Tensor& bias, int64_t n_pad) {
   at::Tensor f = bias.to(at::kFloat).contiguous();
@@ -499,8 +496,9 @@ at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at:
                              at::ScalarType out_dtype, bool fast_accum) {
   // TMA needs 16-byte rows: K is padded to 16 and N to 16 bytes of output (zero rows of B and
   // zero bias entries make the padding columns, which crop() drops).
-  const int64_t M = a.size(0), N = b.size(0), K = a.size(1), Kp = round_up(K, 16);
-  const int64_t Np = round_up(N, out_align(out_dtype));
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  const fp8ops::Sm90Problem padded = fp8ops::sm90_padded_problem(M, N, K, to_dtype(out_dtype), false);
+  const int64_t Np = padded.n, Kp = padded.k;
   at::Tensor ap = tma_operand(a, M, Kp), bp = tma_operand(b, Np, Kp);  // zero K padding adds 0
   at::Tensor bias_f = bias ? padded_bias(*bias, Np) : at::Tensor();
   PaddedOut out(M, M, N, out_dtype, a);
@@ -608,8 +606,8 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
   // float16 has no kernel of its own: float32 out, rounded once to float16 below.
   at::ScalarType kernel_dtype = out_dtype == at::kHalf ? at::kFloat : out_dtype;
   // TMA: K padded to 16, N to 16 bytes of output (zero rows of B, cropped away).
-  const int64_t Mp = per_row ? M : round_up(M, 4), Kp = round_up(K, 16);
-  const int64_t Np = round_up(N, out_align(kernel_dtype));
+  const fp8ops::Sm90Problem padded = fp8ops::sm90_padded_problem(M, N, K, to_dtype(kernel_dtype), !per_row);
+  const int64_t Mp = padded.m, Np = padded.n, Kp = padded.k;
   at::Tensor ap = tma_operand(a, Mp, Kp), bp = tma_operand(b, Np, Kp);
   // CUTLASS's sm90 blockwise mainloop takes MN-major scales: [Kb, M] and [Kb, N or Nb]. Padding
   // rows and columns get scale 1 (their data is zero).
@@ -658,7 +656,7 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
 
 TORCH_LIBRARY_IMPL(fp8ops, CUDA, m) {
   m.impl("amax", &amax_cuda);
-  // ==== BEGIN cast registrations (issue 3) ====
+  // ==== BEGIN cast registrations ====
   m.impl("quantize", &quantize_cuda);
   m.impl("dequantize", &dequantize_cuda);
   m.impl("quantize_mx", &quantize_mx_cuda);
@@ -667,7 +665,7 @@ TORCH_LIBRARY_IMPL(fp8ops, CUDA, m) {
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
   m.impl("delayed_scale_update", &delayed_scale_update_cuda);
   // ==== END cast registrations ====
-  // ==== BEGIN gemm registrations (issue 4) ====
+  // ==== BEGIN gemm registrations ====
   m.impl("gemm", &gemm_cuda);
   m.impl("gemm_blockwise", &gemm_blockwise_cuda);
   // ==== END gemm registrations ====

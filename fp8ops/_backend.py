@@ -28,6 +28,11 @@ def load_extension() -> bool:
     if min(ccs) < MIN_CC:
         _state["why_not"] = f"a visible GPU has compute capability {min(ccs)} < 8.9 (no FP8)"
         return False
+    missing = [f"{cc[0]}.{cc[1]}" for cc in set(ccs) if not kernels_built_for(cc)]
+    if missing:
+        _state["why_not"] = (f"fp8ops._C has no kernel image for compute capability {', '.join(missing)} "
+                             f"(built for {_built_targets()}; rebuild with TORCH_CUDA_ARCH_LIST)")
+        return False
     try:
         from . import _C  # noqa: F401
     except ImportError as e:
@@ -35,6 +40,32 @@ def load_extension() -> bool:
         return False
     _state["loaded"] = True
     return True
+
+
+def _build_info():
+    try:
+        from . import _build_info as info
+    except ImportError:
+        return None
+    return info
+
+
+def _built_targets() -> str:
+    info = _build_info()
+    if info is None:
+        return "unknown targets"
+    return "machine code " + ", ".join(info.SASS) + "; PTX " + (", ".join(info.PTX) or "none")
+
+
+def kernels_built_for(cc) -> bool:
+    """Whether the built cast kernels run on a GPU of compute capability cc: machine code for
+    exactly that arch, or PTX for an arch at or below it (the driver compiles it). Without a
+    record of the build (an extension built by an older setup.py), assume they do."""
+    info = _build_info()
+    if info is None:
+        return True
+    arch = cc[0] * 10 + cc[1]
+    return f"{arch}" in info.SASS or any(int(p) <= arch for p in info.PTX)
 
 
 def extension_loaded() -> bool:

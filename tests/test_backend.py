@@ -42,3 +42,24 @@ def test_gpu_backend_names_the_kernels():
         assert b == "cutlass_sm90", b.reason
     else:
         assert b == "scaled_mm", b.reason
+
+
+class _FakeBuild:
+    SASS = ["89", "90"]
+    PTX = ["90"]
+    CUTLASS_SM90 = True
+
+
+@pytest.mark.parametrize("cc, served", [((8, 9), True), ((9, 0), True), ((10, 0), True),
+                                        ((12, 0), True), ((8, 6), False), ((8, 0), False)])
+def test_kernels_built_for_reads_the_build_record(monkeypatch, cc, served):
+    monkeypatch.setattr(fp8ops._backend, "_build_info", lambda: _FakeBuild)
+    assert fp8ops._backend.kernels_built_for(cc) is served
+
+
+def test_no_ptx_means_no_newer_gpu(monkeypatch):
+    class NoPtx(_FakeBuild):
+        PTX = []
+    monkeypatch.setattr(fp8ops._backend, "_build_info", lambda: NoPtx)
+    assert not fp8ops._backend.kernels_built_for((10, 0))
+    assert "PTX none" in fp8ops._backend._built_targets()

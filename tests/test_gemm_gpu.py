@@ -15,6 +15,7 @@ import torch
 
 import fp8ops  # noqa: F401  (defines torch.ops.fp8ops.*)
 from fp8ops import _backend, _emulation
+from gemm_shapes import BLOCKWISE_SHAPES, GEMM_SHAPES
 
 pytestmark = pytest.mark.gpu
 
@@ -113,19 +114,7 @@ def _ref64(qa, sa, qb, sb, bias):
 # FP32; promotion every 128 of K bounds the loss, fast accumulation does not.
 ACC_TOL = {False: 2.0 ** -10, True: 2.0 ** -7}
 
-SHAPES = [  # (M, N, K): M 1 / 17 / 4095 (small- and large-M tiles), K and N not multiples of 16
-    (1, 256, 512),
-    (17, 72, 200),
-    (17, 1000, 1040),
-    (256, 384, 1000),
-    (4095, 4096, 4096),
-    # N not a multiple of 16 bytes of output (padded for TMA, cropped after), K = 16, N = 8
-    (1, 17, 16),
-    (1, 8, 16),
-    (7, 1001, 48),
-    (3, 50257, 64),
-    (2048, 2049, 272),  # enough 128x128 tiles for the large-shape kernels
-]
+SHAPES = GEMM_SHAPES  # (M, N, K): M 1 / 17 / 4095 (small- and large-M tiles), odd N and K
 PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)]
 OUTS = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -228,9 +217,7 @@ def _blockwise_ref64(qa, sa, qb, sb, bias):
     return ref, mag
 
 
-@pytest.mark.parametrize("shape", [(1, 256, 512), (17, 200, 300), (130, 1000, 1040),
-                                   (4095, 2048, 4096), (17, 1001, 300), (5, 50257, 128),
-                                   (1, 17, 16)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", BLOCKWISE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("pair", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_row_b", [False, True], ids=["b128x128", "b1x128"])
 @pytest.mark.parametrize("out_dtype", OUTS, ids=str)

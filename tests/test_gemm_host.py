@@ -1,0 +1,116 @@
+"""The CUTLASS sm90 GEMMs accept every problem the binding gives them, checked on the host (no
+GPU): tests/csrc/gemm_can_implement.cu builds fp8ops' exact kernel types and asks CUTLASS's
+can_implement for the padded problem of every shape in tests/gemm_shapes.py, for each
+configuration and output dtype. The same shapes run through the emulation here and through the
+kernels in tests/test_gemm_gpu.py, so neither backend rejects what the other accepts."""
+import os
+import shutil
+import subprocess
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+import fp8ops  # noqa: F401
+from fp8ops import _emulation
+from gemm_shapes import BLOCKWISE_SHAPES, GEMM_SHAPES, HOST_ONLY_SHAPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ["coop128", "pingpong64", "fast_pingpong128", "fast_coop256", "blockwise_b128x128",
+           "blockwise_b1x128"]
+
+
+def _nvcc():
+    cands = [shutil.which("nvcc")]
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            cands.append(os.path.join(home, "bin", "nvcc"))
+    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _cutlass_include():
+    root = os.environ.get("CUTLASS_PATH")
+    if root:
+        return os.path.join(root, "include")
+    spec = find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+
+
+@pytest.fixture(scope="module")
+def can_implement(tmp_path_factory):
+    nvcc, include = _nvcc(), _cutlass_include()
+    if nvcc is None or include is None:
+        pytest.skip("needs nvcc and the CUTLASS headers (pip install --no-deps nvidia-cutlass)")
+    exe = str(tmp_path_factory.mktemp("gemm_can_implement") / "gemm_can_implement")
+    cmd = [nvcc, "-std=c++17", "-O1", "-DNDEBUG", "--expt-relaxed-constexpr",
+           "-gencode=arch=compute_90a,code=sm_90a", "-I", os.path.join(ROOT, "csrc"), "-I", include,
+           os.path.join(ROOT, "tests", "csrc", "gemm_can_implement.cu"), "-o", exe]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def run(problems):
+        text = "\n".join(f"{m} {n} {k} {out} {mode}" for m, n, k, out, mode in problems) + "\n"
+        p = subprocess.run([exe], input=text, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        results, problem = {}, None
+        for line in p.stdout.splitlines():
+            words = line.split()
+            if words[0] == "problem":
+                problem = tuple(words[1:])
+            else:
+                results[problem + (words[0],)] = " ".join(words[1:])
+        return results
+
+    return run
+
+
+def test_every_configuration_accepts_every_padded_shape(can_implement):
+    shapes = sorted(set(GEMM_SHAPES + BLOCKWISE_SHAPES + HOST_ONLY_SHAPES))
+    problems = [(m, n, k, out, "padded") for m, n, k in shapes for out in ("bf16", "f32")]
+    results = can_implement(problems)
+    assert len(results) == len(problems) * len(CONFIGS)
+    bad = {key: v for key, v in results.items() if v != "ok"}
+    assert not bad, f"CUTLASS rejects {len(bad)} padded problems, e.g. {sorted(bad.items())[:5]}"
+
+
+def test_the_check_rejects_unpadded_n(can_implement):
+    """Without the padding, N = 17 (bf16) breaks TMA's 16-byte rule: the check must say so."""
+    results = can_implement([(64, 17, 64, "bf16", "raw"), (64, 1001, 64, "f32", "raw")])
+    assert results[("64", "17", "64", "bf16", "raw", "fast_coop256")].startswith("FAIL")
+    assert results[("64", "1001", "64", "f32", "raw", "coop128")].startswith("FAIL")
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_emulation_accepts_every_gemm_shape(shape):
+    m, n, k = shape
+    g = torch.Generator().manual_seed(m * 7 + n)
+    a = torch.randn(m, k, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
+    s = torch.tensor(0.5)
+    bias = torch.randn(n, generator=g)
+    out = torch.ops.fp8ops.gemm(a, b, s, s, bias, torch.bfloat16, False)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    ref = (a.double() @ b.double().t()) * 0.25 + bias.double()
+    mag = (a.double().abs() @ b.double().abs().t()) * 0.25 + bias.double().abs()
+    assert ((out.double() - ref).abs() <= mag * 2.0 ** -7).all()
+
+
+@pytest.mark.parametrize("shape", BLOCKWISE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("per_row_b", [False, True], ids=["b128x128", "b1x128"])
+def test_emulation_accepts_every_blockwise_shape(shape, per_row_b):
+    m, n, k = shape
+    kb = -(-k // 128)
+    g = torch.Generator().manual_seed(m * 5 + n)
+    a = torch.randn(m, k, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
+    sa = torch.rand(m, kb, generator=g) + 0.5
+    sb = torch.rand(n if per_row_b else -(-n // 128), kb, generator=g) + 0.5
+    out = _emulation.gemm_blockwise(a, b, sa, sb, None, torch.float32)
+    assert out.shape == (m, n)
+    ea = sa.double().repeat_interleave(128, 1)[:, :k]
+    eb = (sb.double() if per_row_b else sb.double().repeat_interleave(128, 0)[:n])
+    ad, bd = a.double() * ea, b.double() * eb.repeat_interleave(128, 1)[:, :k]
+    ref, mag = ad @ bd.t(), ad.abs() @ bd.abs().t()
+    assert ((out.double() - ref).abs() <= mag * 2.0 ** -20).all()
