@@ -262,6 +262,15 @@ class ScalingState(nn.Module):
         self._weight_cache = None
         super()._load_from_state_dict(*args, **kwargs)
 
+    def _apply(self, fn, recurse=True):
+        # Module.half() / .to(dtype) must not touch the float32 scales (an fp16 scale overflows
+        # to inf); device moves still apply. A dtype-changing fn gets the original values moved.
+        def keep_dtype(t):
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(new.device)
+
+        return super()._apply(keep_dtype, recurse)
+
     def extra_repr(self) -> str:
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
 

@@ -124,3 +124,27 @@ def test_eval_mode_uses_the_scales_and_records_nothing():
     lin.train()
     lin(torch.randn(4, 32))
     assert lin.fp8_state.input.step.item() == 2
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                                     lambda m: m.to("meta", torch.float16)],
+                         ids=["half", "to_bf16", "to_meta_fp16"])
+def test_dtype_conversion_keeps_the_fp8_state_float32(convert):
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling(amax_history_len=4))
+    with torch.no_grad():
+        lin.fp8_state.input.scale.fill_(1e6)  # beyond float16's range
+    before = {k: v.clone() for k, v in lin.fp8_state.named_buffers()}
+    convert(lin)
+    assert lin.weight.dtype in (torch.float16, torch.bfloat16)
+    for k, v in lin.fp8_state.named_buffers():
+        assert v.dtype == before[k].dtype and v.device == lin.weight.device, k
+        if v.device.type == "cpu":
+            assert torch.equal(v, before[k]), k
+
+
+def test_half_module_trains_with_float32_scales():
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling(amax_history_len=4)).half()
+    for _ in range(3):
+        lin(torch.randn(4, 32, dtype=torch.float16) * 1e3).float().sum().backward()
+    assert lin.fp8_state.input.scale.dtype == torch.float32
+    assert torch.isfinite(lin.fp8_state.input.scale) and torch.isfinite(lin.weight.grad).all()
