@@ -18,8 +18,13 @@ class FP8Linear(nn.Linear):
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = check_recipe(recipe)
-        state_device = None if device is None or torch.device(device).type == "meta" else device
-        self.fp8_state = ScalingState(self.recipe, device=state_device)
+        self.fp8_state = ScalingState(self.recipe, device=self.weight.device)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's init, and a fresh FP8 state (meta init: to_empty() then this)."""
+        super().reset_parameters()
+        if "fp8_state" in self._modules:  # nn.Linear.__init__ calls this before it exists
+            self.fp8_state.reset()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # eval mode uses the scales as trained and records nothing (no amax, no step)

@@ -155,13 +155,23 @@ class RoleState(nn.Module):
         super().__init__()
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        self.register_buffer("amax_history", torch.zeros(history_len, **f32))
-        self.register_buffer("scale", torch.ones((), **f32))
-        self.register_buffer("scale_inv", torch.ones((), **f32))
-        self.register_buffer("amax_rep", torch.zeros((), **f32))
-        self.register_buffer("pending_amax", torch.zeros((), **f32))
-        self.register_buffer("step", torch.zeros((), **i64))
-        self.register_buffer("nonfinite_count", torch.zeros((), **i64))
+        self.register_buffer("amax_history", torch.empty(history_len, **f32))
+        self.register_buffer("scale", torch.empty((), **f32))
+        self.register_buffer("scale_inv", torch.empty((), **f32))
+        self.register_buffer("amax_rep", torch.empty((), **f32))
+        self.register_buffer("pending_amax", torch.empty((), **f32))
+        self.register_buffer("step", torch.empty((), **i64))
+        self.register_buffer("nonfinite_count", torch.empty((), **i64))
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The initial state, in place (after to_empty() the buffers hold garbage)."""
+        for buf in (self.amax_history, self.amax_rep, self.pending_amax, self.step,
+                    self.nonfinite_count):
+            buf.zero_()
+        self.scale.fill_(1.0)
+        self.scale_inv.fill_(1.0)
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, fmt) -> None:
@@ -215,11 +225,18 @@ class ScalingState(nn.Module):
             self.input = RoleState(n, device)
             self.weight = RoleState(n, device)
             self.grad = RoleState(n, device)
+        # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
+        self.recording = True
+        self.reset()
+
+    def reset(self) -> None:
+        """The initial state: fresh scaling buffers, RNG offset 0, no cached weight."""
+        for role in self.ROLES:
+            if role in self._modules:
+                self._modules[role].reset()
         self.rng_seed = int(getattr(self.recipe, "seed", 0))
         self.rng_offset = 0
         self._weight_cache = None  # ((data_ptr, values key), quantized weight)
-        # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
-        self.recording = True
 
     @property
     def delayed(self) -> bool:

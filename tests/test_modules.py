@@ -148,3 +148,40 @@ def test_half_module_trains_with_float32_scales():
         lin(torch.randn(4, 32, dtype=torch.float16) * 1e3).float().sum().backward()
     assert lin.fp8_state.input.scale.dtype == torch.float32
     assert torch.isfinite(lin.fp8_state.input.scale) and torch.isfinite(lin.weight.grad).all()
+
+
+def _assert_same_state_dict(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+def test_meta_init_then_to_empty_and_reset_parameters():
+    recipe = fp8ops.DelayedScaling(amax_history_len=4, seed=5)
+    lin = fp8ops.FP8Linear(32, 16, recipe=recipe, device="meta")
+    assert all(b.device.type == "meta" for b in lin.fp8_state.buffers())
+    lin.to_empty(device="cpu")
+    with torch.no_grad():
+        for b in lin.fp8_state.buffers():
+            b.fill_(7)  # what to_empty() may leave there
+    lin.fp8_state.rng_offset = 9
+    lin.reset_parameters()
+    _assert_same_state_dict(lin.fp8_state.state_dict(), fp8ops.ScalingState(recipe).state_dict())
+
+
+def test_meta_model_converted_then_materialized_trains_like_a_cpu_one():
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    with torch.device("meta"):
+        meta = fp8ops.convert_to_fp8(Block(), recipe)
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for b in meta.buffers():
+            b.fill_(7)
+    torch.manual_seed(0)
+    for mod in meta.modules():
+        if hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+    torch.manual_seed(0)
+    ref = fp8ops.convert_to_fp8(Block(), recipe)
+    _assert_same_state_dict(meta.state_dict(), ref.state_dict())
+    assert _train(meta, 3, seed=4)[0] == _train(ref, 3, seed=4)[0]
