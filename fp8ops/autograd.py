@@ -10,6 +10,7 @@ accumulates in float32. These Functions call only ops (torch.ops.fp8ops.*).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,6 +42,28 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool) -> torch.Tensor:
             role.update(recipe, fmt)
         return role.scale.clone()  # a copy: the buffer changes before backward uses it
     return current_scale(_ops.amax(x), fmt, recipe.margin, recipe.power_of_two)
+
+
+_NO_DOUBLE_BACKWARD = (
+    "fp8ops.linear / FP8Linear does not support double backward (create_graph=True through an "
+    "FP8 layer, e.g. a gradient penalty): its FP8 backward has no second-order term. Keep that "
+    "layer in high precision (convert_to_fp8's filter_fn) or use torch.nn.functional.linear there")
+
+
+def first_order_only(backward):
+    """Like torch.autograd.function.once_differentiable, with an error that names fp8ops, and
+    for every result: differentiating one raises instead of silently dropping the second-order
+    term, even when the incoming gradient is a constant (once_differentiable lets that through)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # no create_graph: nothing will differentiate these
+            return outs
+        err = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, len(outs))
+        return err(*[o.detach().requires_grad_() if isinstance(o, torch.Tensor) else o
+                     for o in outs])
+    return wrapper
 
 
 def _wgrad_out(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
@@ -83,6 +106,7 @@ class PerTensorLinear(torch.autograd.Function):
         return y, x_amax
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy, _):
         xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias = ctx.saved_tensors
         state: Optional[ScalingState] = ctx.state
@@ -160,6 +184,7 @@ class MXLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         xc_t, xc_t_scales, w_col_t, w_col_t_scales, weight, bias = ctx.saved_tensors
         bwd, bs, rceil, M, K, N, x_dtype = ctx.meta
@@ -207,6 +232,7 @@ class BlockwiseLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         xt_data, xt_scale_inv, w_data_t, w_t_scale_inv, weight, bias = ctx.saved_tensors
         bwd, p2, x_dtype = ctx.meta
