@@ -12,6 +12,8 @@ broadcast and a checkpoint written by rank 0 lose nothing.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +40,28 @@ def _check_rounding(value):
         raise ValueError(f"grad_rounding must be 'nearest' or 'stochastic', got {value!r}")
 
 
-def _check_margin(margin):
-    if not (margin > 0 and margin != float("inf")):
-        raise ValueError(f"margin must be a positive finite factor (1.0 = none), got {margin}")
+def _check_int(name, value, low, high=None):
+    # a float here (2.5) would only fail later, far from the recipe that holds it
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def as_float32(value) -> float:
+    """value rounded to float32 (inf when it overflows, 0 when it underflows), as the ops see it."""
+    return torch.tensor(float(value), dtype=torch.float32).item()
+
+
+def check_margin(margin):
+    """margin multiplies amax in float32: it must be positive and finite there (0 would saturate
+    every value, a negative one flip signs)."""
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
+        raise TypeError(f"margin must be a number, got {margin!r}")
+    if not 0 < as_float32(margin) < math.inf:
+        raise ValueError(f"margin must be a positive finite factor in float32 (1.0 = none), "
+                         f"got {margin}")
 
 
 @dataclass(frozen=True)
@@ -61,19 +82,17 @@ class DelayedScaling:
     process_group: Any = field(default=None, compare=False)
 
     def __post_init__(self):
-        if not 1 <= self.amax_history_len <= MAX_HISTORY:
-            raise ValueError(f"amax_history_len must be in [1, {MAX_HISTORY}], "
-                             f"got {self.amax_history_len}")
+        _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY)
         if self.amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo must be one of {AMAX_ALGOS}, "
                              f"got {self.amax_compute_algo!r}")
-        if self.interval < 1:
-            raise ValueError(f"interval must be >= 1, got {self.interval}")
+        _check_int("interval", self.interval, 1)
+        _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if not 0 < self.percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
-        _check_margin(self.margin)
+        check_margin(self.margin)
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
@@ -91,10 +110,11 @@ class CurrentScaling:
     seed: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        check_margin(self.margin)
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
+        _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
 
 
 @dataclass(frozen=True)
@@ -110,8 +130,7 @@ class MXFP8Scaling:
     def __post_init__(self):
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        _check_int("block_size", self.block_size, 1)
         if self.scale_mode not in ("floor", "rceil"):
             raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {self.scale_mode!r}")
 
