@@ -133,9 +133,12 @@ class PerTensorLinear(torch.autograd.Function):
 
 
 @torch.no_grad()
-def _cast_weight(weight, state: Optional[ScalingState], cast):
-    """The FP8 weight: cast once per weight version when there is a state, else every call."""
-    return state.cached_weight(weight, cast) if state is not None else cast(weight, True)
+def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False):
+    """The FP8 weight: cast once per weight version when there is a state, else every call.
+    cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast."""
+    if state is None:
+        return cast(weight, False, None)[0]
+    return state.cached_weight(weight, cast, live)
 
 
 def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
@@ -143,15 +146,15 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
     delayed = state is not None and state.delayed
     live = _live(state)
 
-    def cast_weight(w, new_values=True):
-        step_weight = live and new_values
-        scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step_weight)
+    def cast_weight(w, step, scale):
+        if scale is None:
+            scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step)
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
-        if step_weight:
+        if step:
             state.weight.record(w_amax, recipe.process_group)
-        return data, data_t, torch.reciprocal(scale)
+        return (data, data_t, torch.reciprocal(scale)), scale
 
-    w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight)
+    w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight, live)
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live)
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
@@ -206,11 +209,11 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, _ = recipe_formats(recipe)
     bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
 
-    def cast_weight(w, new_values=True):
+    def cast_weight(w, step, scale):
         wp = _pad(_pad(w, 1, bs), 0, bs)  # [Np, Kp]
         row = _ops.quantize_mx(wp, fwd.dtype, bs, 1, rceil)
         col = _ops.quantize_mx(wp, fwd.dtype, bs, 0, rceil)  # blocked along N, for dgrad
-        return row, (col[0].t(), col[1].t())
+        return (row, (col[0].t(), col[1].t())), None
 
     w_row, w_col_t = _cast_weight(weight, state, cast_weight)
     return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe)
@@ -252,9 +255,9 @@ class BlockwiseLinear(torch.autograd.Function):
 def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, _ = recipe_formats(recipe)
 
-    def cast_weight(w, new_values=True):
+    def cast_weight(w, step, scale):
         data, scale_inv = _ops.quantize_blockwise(w, fwd.dtype, 128, 128, recipe.power_of_two)
-        return data, scale_inv, data.t().contiguous()
+        return (data, scale_inv, data.t().contiguous()), None
 
     w_data, w_scale_inv, w_data_t = _cast_weight(weight, state, cast_weight)
     return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe)

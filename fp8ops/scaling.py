@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import weight_cache
 from ._emulation import scale_from_amax
 from .formats import get_format
 
@@ -217,22 +217,12 @@ class RoleState(nn.Module):
         self.nonfinite_count.add_((~finite).to(torch.int64))
 
 
-_OPTIMIZER_STEPS = [0]  # torch.optim steps taken in this process (invalidates weight caches)
-
-
-def _count_optimizer_step(optimizer, args, kwargs):
-    _OPTIMIZER_STEPS[0] += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
 class ScalingState(nn.Module):
     """The FP8 state of one linear layer, for any recipe: delayed-scaling buffers (a RoleState for
     input, weight and grad; DelayedScaling only), the Philox seed/offset for stochastic gradient
-    rounding, and the cached FP8 weight (cast once per optimizer step: reused while the weight's
-    storage and version are unchanged). The buffers and the offset round-trip through state_dict;
-    the weight cache is not saved (it is rebuilt from the weight)."""
+    rounding, and the cached FP8 weight (cast once per optimizer step; see weight_cache). The
+    buffers and the offset round-trip through state_dict; the weight cache is not saved (it is
+    rebuilt from the weight)."""
 
     ROLES = ("input", "weight", "grad")
 
@@ -255,7 +245,7 @@ class ScalingState(nn.Module):
                 self._modules[role].reset()
         self.rng_seed = int(getattr(self.recipe, "seed", 0))
         self.rng_offset = 0
-        self._weight_cache = None  # ((data_ptr, values key), quantized weight)
+        self._weight_cache = None  # a weight_cache.CachedCast
 
     @property
     def delayed(self) -> bool:
@@ -268,25 +258,14 @@ class ScalingState(nn.Module):
         self.rng_offset += 1
         return self.rng_seed, offset
 
-    def cached_weight(self, weight: torch.Tensor, cast):
-        """The FP8 weight, cast once per weight version and optimizer step.
-
-        cast(weight, new_values) does the cast; new_values says whether the weight's values may
-        have changed since the last cast (a new version or optimizer step), which is when the
-        delayed-scaling weight role steps. A cast forced only by a new storage (FSDP2 re-gathers
-        the unsharded weight into fresh memory per microbatch, at addresses that differ by rank)
-        reuses the scales, so every rank steps, and all-reduces, the same number of times.
-        The optimizer-step count is in the key because FSDP2 writes the updated weight under
-        _unsafe_preserve_version_counter. Under torch.compile there is no version: cast each call.
-        """
+    def cached_weight(self, weight: torch.Tensor, cast: weight_cache.Cast, live: bool = False):
+        """The FP8 weight, cast once per weight version and optimizer step (weight_cache.lookup).
+        live: this forward steps delayed scaling (training mode, not a checkpoint recompute).
+        Under torch.compile there is no version: cast each call."""
         if torch.compiler.is_compiling():
-            return cast(weight, True)
-        values = (weight._version, _OPTIMIZER_STEPS[0], weight.dtype, weight.shape, weight.device)
-        key = (weight.data_ptr(), values)
-        if self._weight_cache is None or self._weight_cache[0] != key:
-            new_values = self._weight_cache is None or self._weight_cache[0][1] != values
-            self._weight_cache = (key, cast(weight, new_values))
-        return self._weight_cache[1]
+            return cast(weight, live, None)[0]
+        self._weight_cache, payload = weight_cache.lookup(self._weight_cache, weight, cast, live)
+        return payload
 
     def get_extra_state(self):
         return {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}

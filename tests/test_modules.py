@@ -185,3 +185,65 @@ def test_meta_model_converted_then_materialized_trains_like_a_cpu_one():
     ref = fp8ops.convert_to_fp8(Block(), recipe)
     _assert_same_state_dict(meta.state_dict(), ref.state_dict())
     assert _train(meta, 3, seed=4)[0] == _train(ref, 3, seed=4)[0]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_inference_mode_forward_then_training_step(recipe, mode):
+    """Validation under torch.inference_mode must leave nothing behind that autograd cannot save,
+    and must act exactly as it does under no_grad."""
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    torch.manual_seed(0)
+    ref = fp8ops.convert_to_fp8(Block(), recipe)
+    x = torch.randn(16, 64)
+    model.train(mode == "train")
+    ref.train(mode == "train")
+    with torch.inference_mode():
+        model(x)
+    with torch.no_grad():
+        ref(x)
+    model.train()
+    ref.train()
+    out, ref_out = model(x), ref(x)
+    out.pow(2).sum().backward()
+    ref_out.pow(2).sum().backward()
+    assert torch.equal(out, ref_out)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def _train_with_validation(model, steps, seed, validate):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    val = torch.Generator().manual_seed(seed + 1)
+    outs = []
+    for _ in range(steps):
+        if validate:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(16, 64, generator=val) * 10)
+            with torch.inference_mode():
+                model(torch.randn(16, 64, generator=val))
+            model.train()
+        x = torch.randn(16, 64, generator=gen)
+        for _ in range(2):  # two microbatches
+            out = model(x)
+            out.pow(2).mean().backward()
+            outs.append(out.detach())
+        opt.step()
+        opt.zero_grad()
+    return outs
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_eval_forwards_have_no_effect_on_training(recipe):
+    torch.manual_seed(0)
+    plain = fp8ops.convert_to_fp8(Block(), recipe)
+    torch.manual_seed(0)
+    validated = fp8ops.convert_to_fp8(Block(), recipe)
+    a = _train_with_validation(plain, 4, seed=3, validate=False)
+    b = _train_with_validation(validated, 4, seed=3, validate=True)
+    for step, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), step
+    _assert_same_state_dict(plain.state_dict(), validated.state_dict())
