@@ -221,8 +221,10 @@ class ScalingState(nn.Module):
     """The FP8 state of one linear layer, for any recipe: delayed-scaling buffers (a RoleState for
     input, weight and grad; DelayedScaling only), the Philox seed/offset for stochastic gradient
     rounding, and the cached FP8 weight (cast once per optimizer step; see weight_cache). The
-    buffers and the offset round-trip through state_dict; the weight cache is not saved (it is
-    rebuilt from the weight)."""
+    buffers and the offset round-trip through state_dict, copy.deepcopy and pickle; of the cached
+    weight only the scale of a delayed-scaling cast that the next forward would reuse is saved
+    (the FP8 payload is rebuilt from the weight), so a resumed or copied layer continues exactly
+    as the original, mid-accumulation too."""
 
     ROLES = ("input", "weight", "grad")
 
@@ -268,14 +270,33 @@ class ScalingState(nn.Module):
         return payload
 
     def get_extra_state(self):
-        return {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
+        extra = {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
+        scale = weight_cache.saved(self._weight_cache)
+        if scale is not None:  # mid-accumulation: the cast the next forward reuses
+            extra["weight_cast_scale"] = scale
+        return extra
 
     def set_extra_state(self, extra):
         self.rng_seed, self.rng_offset = int(extra["rng_seed"]), int(extra["rng_offset"])
+        scale = extra.get("weight_cast_scale")  # absent from older checkpoints
+        if scale is not None and self.delayed:
+            scale = scale.to(self.weight.scale.device, torch.float32, copy=True)
+        self._weight_cache = weight_cache.restored(scale if self.delayed else None)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._weight_cache = None
         super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self):
+        # float8 payloads and the weakref do not pickle; the scale is what exactness needs
+        state = super().__getstate__()
+        state["_weight_cache"] = weight_cache.restored(weight_cache.saved(self._weight_cache))
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
+        self._weight_cache = weight_cache.restored(None if entry is None else entry.scale)
 
     def _apply(self, fn, recurse=True):
         # Module.half() / .to(dtype) must not touch the float32 scales (an fp16 scale overflows
@@ -284,6 +305,9 @@ class ScalingState(nn.Module):
             new = fn(t)
             return new if new.dtype == t.dtype else t.to(new.device)
 
+        # called before the owner's weight moves: the cast it would reuse keeps its scale
+        scale = weight_cache.saved(self._weight_cache)
+        self._weight_cache = weight_cache.restored(None if scale is None else keep_dtype(scale))
         return super()._apply(keep_dtype, recurse)
 
     def extra_repr(self) -> str:

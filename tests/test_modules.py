@@ -1,5 +1,7 @@
 """FP8Linear, convert_to_fp8, state_dict round trips and torch.compile."""
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -247,3 +249,91 @@ def test_eval_forwards_have_no_effect_on_training(recipe):
     for step, (u, v) in enumerate(zip(a, b)):
         assert torch.equal(u, v), step
     _assert_same_state_dict(plain.state_dict(), validated.state_dict())
+
+
+def _lockstep(a, b, plan, seed):
+    """Runs the plan ("micro": forward + backward, "step": optimizer step, "eval": an eval
+    forward) on two (model, optimizer) pairs side by side: every optimizer step in the process
+    starts a new weight version for every layer, so the pairs must not run ahead of each other.
+    Asserts bit-identical outputs and gradients throughout."""
+    gen = torch.Generator().manual_seed(seed)
+    for i, kind in enumerate(plan):
+        if kind == "step":
+            for _, opt in (a, b):
+                opt.step()
+                opt.zero_grad()
+            continue
+        x = torch.randn(16, 64, generator=gen) * (1 + i % 3)
+        outs = []
+        for model, _ in (a, b):
+            model.train(kind == "micro")
+            with torch.set_grad_enabled(kind == "micro"):
+                out = model(x)
+            if kind == "micro":
+                out.pow(2).mean().backward()
+            outs.append(out)
+            model.train()
+        assert torch.equal(outs[0], outs[1]), (i, kind)
+        for p, q in zip(a[0].parameters(), b[0].parameters()):
+            assert (p.grad is None) == (q.grad is None) and (
+                p.grad is None or torch.equal(p.grad, q.grad)), (i, kind)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _copy_grads(src, dst):
+    for p, q in zip(src.parameters(), dst.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+
+
+CONTINUE = ["micro", "eval", "micro", "step", "micro", "micro", "step", "micro"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("when", ["mid_accumulation", "after_step", "eval_after_load"])
+def test_resume_from_state_dict_is_exact(recipe, when):
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    opt = _sgd(model)
+    _train(model, 2, seed=1, opt=opt)
+    if when != "after_step":
+        gen = torch.Generator().manual_seed(2)
+        model(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()  # first microbatch
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    fresh = fp8ops.convert_to_fp8(Block(), recipe)
+    fresh_opt = _sgd(fresh)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["opt"])
+    _copy_grads(model, fresh)  # gradients are not in a checkpoint
+    plan = (["eval"] if when == "eval_after_load" else []) + CONTINUE
+    _lockstep((model, opt), (fresh, fresh_opt), plan, seed=3)
+    _assert_same_state_dict(model.state_dict(), fresh.state_dict())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copy_mid_accumulation_continues_exactly(recipe, how):
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    opt = _sgd(model)
+    _train(model, 2, seed=1, opt=opt)
+    model(torch.randn(16, 64)).pow(2).mean().backward()  # first microbatch
+    if how == "deepcopy":
+        dup = copy.deepcopy(model)
+    elif how == "pickle":
+        dup = pickle.loads(pickle.dumps(model))
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        dup = torch.load(buf, weights_only=False)
+    dup_opt = _sgd(dup)
+    dup_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # not sharing momentum buffers
+    _copy_grads(model, dup)
+    _lockstep((model, opt), (dup, dup_opt), CONTINUE, seed=3)
