@@ -41,6 +41,15 @@ class FP8Linear(nn.Linear):
         new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
         return new
 
+    def _use_recipe(self, recipe) -> None:
+        """Switch to `recipe` with a fresh FP8 state; nothing changes if it is the current one
+        (dataclass equality leaves the process group out, so that is compared by identity)."""
+        same = (recipe == self.recipe and getattr(recipe, "process_group", None)
+                is getattr(self.recipe, "process_group", None))
+        if not same:
+            self.recipe = recipe
+            self.fp8_state = ScalingState(recipe, device=self.weight.device)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
@@ -48,18 +57,27 @@ class FP8Linear(nn.Linear):
 def convert_to_fp8(module: nn.Module, recipe=None,
                    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
     """Replace every nn.Linear in `module` (in place; `module` itself too) by an FP8Linear that
-    shares its parameters. filter_fn(linear, fully_qualified_name) -> bool picks which ones."""
-    check_recipe(recipe)
+    shares its parameters. filter_fn(linear, fully_qualified_name) -> bool picks which ones.
+
+    Converting again applies `recipe` (None: CurrentScaling()) to the FP8Linear layers filter_fn
+    picks: a layer that has that recipe already keeps its FP8 state; any other takes the recipe
+    with a fresh FP8 state (amax histories, scales and RNG offset start over)."""
+    recipe = check_recipe(recipe)
 
     def wanted(mod, fqn):
-        return (isinstance(mod, nn.Linear) and not isinstance(mod, FP8Linear)
-                and (filter_fn is None or filter_fn(mod, fqn)))
+        return isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))
+
+    def convert(mod):
+        if isinstance(mod, FP8Linear):
+            mod._use_recipe(recipe)
+            return mod
+        return FP8Linear.from_linear(mod, recipe)
 
     if wanted(module, ""):
-        return FP8Linear.from_linear(module, recipe)
+        return convert(module)
     for fqn, mod in list(module.named_modules()):
         for name, child in list(mod.named_children()):
             child_fqn = f"{fqn}.{name}" if fqn else name
             if wanted(child, child_fqn):
-                setattr(mod, name, FP8Linear.from_linear(child, recipe))
+                setattr(mod, name, convert(child))
     return module

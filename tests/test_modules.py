@@ -337,3 +337,28 @@ def test_copy_mid_accumulation_continues_exactly(recipe, how):
     dup_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # not sharing momentum buffers
     _copy_grads(model, dup)
     _lockstep((model, opt), (dup, dup_opt), CONTINUE, seed=3)
+
+
+def test_convert_again_applies_the_new_recipe():
+    delayed = fp8ops.DelayedScaling(amax_history_len=4)
+    model = fp8ops.convert_to_fp8(Block(), delayed)
+    _train(model, 1, seed=0)
+    kept = model.up.fp8_state
+    fp8ops.convert_to_fp8(model, fp8ops.DelayedScaling(amax_history_len=4))  # the same recipe
+    assert model.up.fp8_state is kept and kept.input.step.item() == 1
+    mx = fp8ops.MXFP8Scaling()
+    up = model.up
+    assert fp8ops.convert_to_fp8(model, mx, filter_fn=lambda mod, fqn: fqn != "head") is model
+    assert model.up is up and model.up.recipe == mx and model.down.recipe == mx
+    assert model.up.fp8_state.recipe == mx and model.head.recipe == delayed
+    x = torch.randn(4, 64)
+    assert torch.equal(model.up(x), fp8ops.linear(x, up.weight, up.bias, recipe=mx))
+    single = fp8ops.FP8Linear(64, 32)
+    assert fp8ops.convert_to_fp8(single, mx) is single and single.recipe == mx
+
+
+def test_convert_again_with_another_process_group_applies_it():
+    first, second = object(), object()  # stand-ins: no collective runs outside torch.distributed
+    lin = fp8ops.convert_to_fp8(nn.Linear(8, 8), fp8ops.DelayedScaling(process_group=first))
+    fp8ops.convert_to_fp8(lin, fp8ops.DelayedScaling(process_group=second))
+    assert lin.recipe.process_group is second and lin.fp8_state.recipe.process_group is second
