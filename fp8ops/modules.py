@@ -1,6 +1,8 @@
-"""FP8Linear and convert_to_fp8()."""
+"""FP8Linear, convert_to_fp8(), convert_from_fp8() and plain_state_dict()."""
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -8,6 +10,8 @@ from torch import nn
 
 from .functional import linear
 from .scaling import ScalingState, check_recipe
+
+logger = logging.getLogger(__name__)
 
 
 class FP8Linear(nn.Linear):
@@ -40,6 +44,18 @@ class FP8Linear(nn.Linear):
         new.bias = mod.bias
         new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
         return new
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_prefix = prefix + "fp8_state."
+        if prefix + "weight" in state_dict and not any(k.startswith(state_prefix)
+                                                       for k in state_dict):
+            # a plain nn.Linear checkpoint: load it (strict too) with a fresh FP8 state
+            self.fp8_state.reset()
+            for key, value in self.fp8_state.state_dict().items():
+                state_dict[state_prefix + key] = value
+            logger.info("fp8ops: %s has no FP8 state in the checkpoint (a plain nn.Linear "
+                        "one?); its FP8 state starts fresh", prefix.rstrip(".") or "FP8Linear")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _use_recipe(self, recipe) -> None:
         """Switch to `recipe` with a fresh FP8 state; nothing changes if it is the current one
@@ -81,3 +97,35 @@ def convert_to_fp8(module: nn.Module, recipe=None,
             if wanted(child, child_fqn):
                 setattr(mod, name, convert(child))
     return module
+
+
+def convert_from_fp8(module: nn.Module) -> nn.Module:
+    """Replace every FP8Linear in `module` (in place; `module` itself too) by an nn.Linear sharing
+    its weight and bias Parameters (so the same device and dtype), for export and inference. The
+    FP8 state is dropped."""
+    def plain(mod: FP8Linear) -> nn.Linear:
+        new = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                        device="meta")
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new.train(mod.training)
+
+    if isinstance(module, FP8Linear):
+        return plain(module)
+    for mod in list(module.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, FP8Linear):
+                setattr(mod, name, plain(child))
+    return module
+
+
+def plain_state_dict(module_or_state_dict) -> "OrderedDict[str, object]":
+    """The state_dict of a model with FP8Linear layers (or such a state_dict itself) without
+    their FP8 state: the checkpoint of the same model made of nn.Linear, which loads into it, or
+    into convert_from_fp8(model), with strict=True. Given a state_dict, every key with an
+    `fp8_state` component is dropped (FP8Linear's name for its state)."""
+    if isinstance(module_or_state_dict, nn.Module):
+        state = module_or_state_dict.state_dict()
+    else:
+        state = module_or_state_dict
+    return OrderedDict((k, v) for k, v in state.items() if "fp8_state" not in k.split("."))

@@ -1,6 +1,7 @@
 """FP8Linear, convert_to_fp8, state_dict round trips and torch.compile."""
 import copy
 import io
+import logging
 import pickle
 
 import pytest
@@ -362,3 +363,56 @@ def test_convert_again_with_another_process_group_applies_it():
     lin = fp8ops.convert_to_fp8(nn.Linear(8, 8), fp8ops.DelayedScaling(process_group=first))
     fp8ops.convert_to_fp8(lin, fp8ops.DelayedScaling(process_group=second))
     assert lin.recipe.process_group is second and lin.fp8_state.recipe.process_group is second
+
+
+def _head_stays(mod, fqn):
+    return fqn != "head"
+
+
+def test_plain_checkpoint_loads_strictly_into_a_converted_model(caplog):
+    torch.manual_seed(0)
+    plain = Block()
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    model = fp8ops.convert_to_fp8(Block(), recipe, filter_fn=_head_stays)
+    _train(model, 2, seed=0)  # an FP8 state that is not fresh
+    with caplog.at_level(logging.INFO, logger="fp8ops"):
+        model.load_state_dict(plain.state_dict())  # strict
+    assert [r.name for r in caplog.records] == ["fp8ops.modules"] * 2  # one line per layer
+    assert "up" in caplog.records[0].getMessage()
+    for layer in (model.up, model.down):
+        _assert_same_state_dict(layer.fp8_state.state_dict(),
+                                fp8ops.ScalingState(recipe).state_dict())
+    ref = fp8ops.convert_to_fp8(copy.deepcopy(plain), recipe, filter_fn=_head_stays)
+    assert _train(model, 2, seed=1)[0] == _train(ref, 2, seed=1)[0]
+    single = fp8ops.FP8Linear(64, 128)
+    single.load_state_dict(plain.up.state_dict())
+    assert torch.equal(single.weight, plain.up.weight)
+
+
+def test_converted_checkpoint_loads_strictly_into_the_plain_model():
+    model = fp8ops.convert_to_fp8(Block(), fp8ops.DelayedScaling(amax_history_len=4))
+    _train(model, 1, seed=0)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        Block().load_state_dict(model.state_dict())
+    for plain_sd in (fp8ops.plain_state_dict(model), fp8ops.plain_state_dict(model.state_dict())):
+        plain = Block()
+        plain.load_state_dict(plain_sd)  # strict
+        for p, q in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_convert_from_fp8_gives_nn_linear_with_the_same_weights(recipe):
+    model = fp8ops.convert_to_fp8(Block(), recipe).to(torch.bfloat16).eval()
+    params = dict(model.named_parameters())
+    assert fp8ops.convert_from_fp8(model) is model
+    assert all(type(m) is nn.Linear and not m.training for m in (model.up, model.down, model.head))
+    for name, p in model.named_parameters():
+        assert p is params[name], name  # the same Parameters: same device and dtype
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    ref = Block().to(torch.bfloat16)
+    ref.load_state_dict(model.state_dict())  # strict: no FP8 state left
+    assert torch.equal(model(x), ref(x))
+    single = fp8ops.FP8Linear(8, 4, bias=False, recipe=recipe, device="meta")
+    lin = fp8ops.convert_from_fp8(single)
+    assert type(lin) is nn.Linear and lin.weight is single.weight and lin.bias is None
