@@ -51,7 +51,8 @@ def _check_int(name, value, low, high=None):
 
 def as_float32(value) -> float:
     """value rounded to float32 (inf when it overflows, 0 when it underflows), as the ops see it."""
-    return torch.tensor(float(value), dtype=torch.float32).item()
+    # on the CPU whatever the default device (a meta one has no value to read)
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu").item()
 
 
 def check_margin(margin):

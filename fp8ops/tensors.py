@@ -111,7 +111,8 @@ def _scale_tensor(scale, device) -> torch.Tensor:
             raise ValueError(f"scale is on {scale.device} but x is on {device}")
         s = scale.reshape(()).to(torch.float32)
     else:
-        s = torch.tensor(float(scale), dtype=torch.float32)  # host data: checked here, no sync
+        # host data: checked on the CPU (whatever the default device), no sync
+        s = torch.tensor(float(scale), dtype=torch.float32, device="cpu")
     ok = (s > 0) & torch.isfinite(s) & torch.isfinite(torch.reciprocal(s))
     if s.device.type == "cpu" and not torch.compiler.is_compiling():
         if not ok:

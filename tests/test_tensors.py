@@ -88,6 +88,9 @@ def test_scale_check_on_a_device_does_not_sync():
     assert fp8ops.quantize(x, scale=torch.tensor(0.0, device="meta")).data.device.type == "meta"
     with pytest.raises(ValueError, match="scale must be"):  # a Python number is host data
         fp8ops.quantize(x, scale=0.0)
+    with torch.device("meta"):  # the default device does not move the host checks
+        assert fp8ops.quantize(torch.ones(4), scale=2.0, margin=2.0).scale.device.type == "meta"
+        assert fp8ops.DelayedScaling(margin=2.0).margin == 2.0
 
 
 @pytest.mark.parametrize("margin", [0.0, -1.0, float("nan"), float("inf"), 1e-50])
