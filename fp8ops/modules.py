@@ -43,7 +43,7 @@ class FP8Linear(nn.Linear):
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
-        return new
+        return new.train(mod.training)  # a model converted in eval mode stays in eval mode
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_prefix = prefix + "fp8_state."

@@ -416,3 +416,10 @@ def test_convert_from_fp8_gives_nn_linear_with_the_same_weights(recipe):
     single = fp8ops.FP8Linear(8, 4, bias=False, recipe=recipe, device="meta")
     lin = fp8ops.convert_from_fp8(single)
     assert type(lin) is nn.Linear and lin.weight is single.weight and lin.bias is None
+
+
+def test_converting_a_model_in_eval_mode_keeps_it_in_eval_mode():
+    model = fp8ops.convert_to_fp8(Block().eval(), fp8ops.DelayedScaling(amax_history_len=4))
+    assert not any(m.training for m in model.modules())
+    model(torch.randn(4, 64))
+    assert model.up.fp8_state.input.step.item() == 0  # eval records nothing
