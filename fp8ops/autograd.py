@@ -10,6 +10,7 @@ accumulates in float32. These Functions call only ops (torch.ops.fp8ops.*).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,6 +42,28 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool) -> torch.Tensor:
             role.update(recipe, fmt)
         return role.scale.clone()  # a copy: the buffer changes before backward uses it
     return current_scale(_ops.amax(x), fmt, recipe.margin, recipe.power_of_two)
+
+
+_NO_DOUBLE_BACKWARD = (
+    "fp8ops.linear / FP8Linear does not support double backward (create_graph=True through an "
+    "FP8 layer, e.g. a gradient penalty): its FP8 backward has no second-order term. Keep that "
+    "layer in high precision (convert_to_fp8's filter_fn) or use torch.nn.functional.linear there")
+
+
+def first_order_only(backward):
+    """Like torch.autograd.function.once_differentiable, with an error that names fp8ops, and
+    for every result: differentiating one raises instead of silently dropping the second-order
+    term, even when the incoming gradient is a constant (once_differentiable lets that through)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # no create_graph: nothing will differentiate these
+            return outs
+        err = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, len(outs))
+        return err(*[o.detach().requires_grad_() if isinstance(o, torch.Tensor) else o
+                     for o in outs])
+    return wrapper
 
 
 def _wgrad_out(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
@@ -83,6 +106,7 @@ class PerTensorLinear(torch.autograd.Function):
         return y, x_amax
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy, _):
         xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias = ctx.saved_tensors
         state: Optional[ScalingState] = ctx.state
@@ -109,9 +133,12 @@ class PerTensorLinear(torch.autograd.Function):
 
 
 @torch.no_grad()
-def _cast_weight(weight, state: Optional[ScalingState], cast):
-    """The FP8 weight: cast once per weight version when there is a state, else every call."""
-    return state.cached_weight(weight, cast) if state is not None else cast(weight, True)
+def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False):
+    """The FP8 weight: cast once per weight version when there is a state, else every call.
+    cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast."""
+    if state is None:
+        return cast(weight, False, None)[0]
+    return state.cached_weight(weight, cast, live)
 
 
 def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
@@ -119,15 +146,15 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
     delayed = state is not None and state.delayed
     live = _live(state)
 
-    def cast_weight(w, new_values=True):
-        step_weight = live and new_values
-        scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step_weight)
+    def cast_weight(w, step, scale):
+        if scale is None:
+            scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step)
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
-        if step_weight:
+        if step:
             state.weight.record(w_amax, recipe.process_group)
-        return data, data_t, torch.reciprocal(scale)
+        return (data, data_t, torch.reciprocal(scale)), scale
 
-    w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight)
+    w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight, live)
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live)
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
@@ -160,6 +187,7 @@ class MXLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         xc_t, xc_t_scales, w_col_t, w_col_t_scales, weight, bias = ctx.saved_tensors
         bwd, bs, rceil, M, K, N, x_dtype = ctx.meta
@@ -181,11 +209,11 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, _ = recipe_formats(recipe)
     bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
 
-    def cast_weight(w, new_values=True):
+    def cast_weight(w, step, scale):
         wp = _pad(_pad(w, 1, bs), 0, bs)  # [Np, Kp]
         row = _ops.quantize_mx(wp, fwd.dtype, bs, 1, rceil)
         col = _ops.quantize_mx(wp, fwd.dtype, bs, 0, rceil)  # blocked along N, for dgrad
-        return row, (col[0].t(), col[1].t())
+        return (row, (col[0].t(), col[1].t())), None
 
     w_row, w_col_t = _cast_weight(weight, state, cast_weight)
     return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe)
@@ -207,6 +235,7 @@ class BlockwiseLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         xt_data, xt_scale_inv, w_data_t, w_t_scale_inv, weight, bias = ctx.saved_tensors
         bwd, p2, x_dtype = ctx.meta
@@ -226,9 +255,9 @@ class BlockwiseLinear(torch.autograd.Function):
 def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
     fwd, _ = recipe_formats(recipe)
 
-    def cast_weight(w, new_values=True):
+    def cast_weight(w, step, scale):
         data, scale_inv = _ops.quantize_blockwise(w, fwd.dtype, 128, 128, recipe.power_of_two)
-        return data, scale_inv, data.t().contiguous()
+        return (data, scale_inv, data.t().contiguous()), None
 
     w_data, w_scale_inv, w_data_t = _cast_weight(weight, state, cast_weight)
     return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe)

@@ -1,6 +1,8 @@
-"""FP8Linear and convert_to_fp8()."""
+"""FP8Linear, convert_to_fp8(), convert_from_fp8() and plain_state_dict()."""
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -8,6 +10,8 @@ from torch import nn
 
 from .functional import linear
 from .scaling import ScalingState, check_recipe
+
+logger = logging.getLogger(__name__)
 
 
 class FP8Linear(nn.Linear):
@@ -18,8 +22,13 @@ class FP8Linear(nn.Linear):
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = check_recipe(recipe)
-        state_device = None if device is None or torch.device(device).type == "meta" else device
-        self.fp8_state = ScalingState(self.recipe, device=state_device)
+        self.fp8_state = ScalingState(self.recipe, device=self.weight.device)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's init, and a fresh FP8 state (meta init: to_empty() then this)."""
+        super().reset_parameters()
+        if "fp8_state" in self._modules:  # nn.Linear.__init__ calls this before it exists
+            self.fp8_state.reset()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # eval mode uses the scales as trained and records nothing (no amax, no step)
@@ -34,7 +43,28 @@ class FP8Linear(nn.Linear):
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
-        return new
+        return new.train(mod.training)  # a model converted in eval mode stays in eval mode
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_prefix = prefix + "fp8_state."
+        if prefix + "weight" in state_dict and not any(k.startswith(state_prefix)
+                                                       for k in state_dict):
+            # a plain nn.Linear checkpoint: load it (strict too) with a fresh FP8 state
+            self.fp8_state.reset()
+            for key, value in self.fp8_state.state_dict().items():
+                state_dict[state_prefix + key] = value
+            logger.info("fp8ops: %s has no FP8 state in the checkpoint (a plain nn.Linear "
+                        "one?); its FP8 state starts fresh", prefix.rstrip(".") or "FP8Linear")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _use_recipe(self, recipe) -> None:
+        """Switch to `recipe` with a fresh FP8 state; nothing changes if it is the current one
+        (dataclass equality leaves the process group out, so that is compared by identity)."""
+        same = (recipe == self.recipe and getattr(recipe, "process_group", None)
+                is getattr(self.recipe, "process_group", None))
+        if not same:
+            self.recipe = recipe
+            self.fp8_state = ScalingState(recipe, device=self.weight.device)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
@@ -43,18 +73,59 @@ class FP8Linear(nn.Linear):
 def convert_to_fp8(module: nn.Module, recipe=None,
                    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
     """Replace every nn.Linear in `module` (in place; `module` itself too) by an FP8Linear that
-    shares its parameters. filter_fn(linear, fully_qualified_name) -> bool picks which ones."""
-    check_recipe(recipe)
+    shares its parameters. filter_fn(linear, fully_qualified_name) -> bool picks which ones.
+
+    Converting again applies `recipe` (None: CurrentScaling()) to the FP8Linear layers filter_fn
+    picks: a layer that has that recipe already keeps its FP8 state; any other takes the recipe
+    with a fresh FP8 state (amax histories, scales and RNG offset start over)."""
+    recipe = check_recipe(recipe)
 
     def wanted(mod, fqn):
-        return (isinstance(mod, nn.Linear) and not isinstance(mod, FP8Linear)
-                and (filter_fn is None or filter_fn(mod, fqn)))
+        return isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))
+
+    def convert(mod):
+        if isinstance(mod, FP8Linear):
+            mod._use_recipe(recipe)
+            return mod
+        return FP8Linear.from_linear(mod, recipe)
 
     if wanted(module, ""):
-        return FP8Linear.from_linear(module, recipe)
+        return convert(module)
     for fqn, mod in list(module.named_modules()):
         for name, child in list(mod.named_children()):
             child_fqn = f"{fqn}.{name}" if fqn else name
             if wanted(child, child_fqn):
-                setattr(mod, name, FP8Linear.from_linear(child, recipe))
+                setattr(mod, name, convert(child))
     return module
+
+
+def convert_from_fp8(module: nn.Module) -> nn.Module:
+    """Replace every FP8Linear in `module` (in place; `module` itself too) by an nn.Linear sharing
+    its weight and bias Parameters (so the same device and dtype), for export and inference. The
+    FP8 state is dropped."""
+    def plain(mod: FP8Linear) -> nn.Linear:
+        new = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                        device="meta")
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new.train(mod.training)
+
+    if isinstance(module, FP8Linear):
+        return plain(module)
+    for mod in list(module.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, FP8Linear):
+                setattr(mod, name, plain(child))
+    return module
+
+
+def plain_state_dict(module_or_state_dict) -> "OrderedDict[str, object]":
+    """The state_dict of a model with FP8Linear layers (or such a state_dict itself) without
+    their FP8 state: the checkpoint of the same model made of nn.Linear, which loads into it, or
+    into convert_from_fp8(model), with strict=True. Given a state_dict, every key with an
+    `fp8_state` component is dropped (FP8Linear's name for its state)."""
+    if isinstance(module_or_state_dict, nn.Module):
+        state = module_or_state_dict.state_dict()
+    else:
+        state = module_or_state_dict
+    return OrderedDict((k, v) for k, v in state.items() if "fp8_state" not in k.split("."))

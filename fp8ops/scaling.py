@@ -12,13 +12,15 @@ broadcast and a checkpoint written by rank 0 lose nothing.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import weight_cache
 from ._emulation import scale_from_amax
 from .formats import get_format
 
@@ -38,9 +40,29 @@ def _check_rounding(value):
         raise ValueError(f"grad_rounding must be 'nearest' or 'stochastic', got {value!r}")
 
 
-def _check_margin(margin):
-    if not (margin > 0 and margin != float("inf")):
-        raise ValueError(f"margin must be a positive finite factor (1.0 = none), got {margin}")
+def _check_int(name, value, low, high=None):
+    # a float here (2.5) would only fail later, far from the recipe that holds it
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def as_float32(value) -> float:
+    """value rounded to float32 (inf when it overflows, 0 when it underflows), as the ops see it."""
+    # on the CPU whatever the default device (a meta one has no value to read)
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu").item()
+
+
+def check_margin(margin):
+    """margin multiplies amax in float32: it must be positive and finite there (0 would saturate
+    every value, a negative one flip signs)."""
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
+        raise TypeError(f"margin must be a number, got {margin!r}")
+    if not 0 < as_float32(margin) < math.inf:
+        raise ValueError(f"margin must be a positive finite factor in float32 (1.0 = none), "
+                         f"got {margin}")
 
 
 @dataclass(frozen=True)
@@ -61,19 +83,17 @@ class DelayedScaling:
     process_group: Any = field(default=None, compare=False)
 
     def __post_init__(self):
-        if not 1 <= self.amax_history_len <= MAX_HISTORY:
-            raise ValueError(f"amax_history_len must be in [1, {MAX_HISTORY}], "
-                             f"got {self.amax_history_len}")
+        _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY)
         if self.amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo must be one of {AMAX_ALGOS}, "
                              f"got {self.amax_compute_algo!r}")
-        if self.interval < 1:
-            raise ValueError(f"interval must be >= 1, got {self.interval}")
+        _check_int("interval", self.interval, 1)
+        _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if not 0 < self.percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
-        _check_margin(self.margin)
+        check_margin(self.margin)
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
@@ -91,10 +111,11 @@ class CurrentScaling:
     seed: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        check_margin(self.margin)
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
+        _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
 
 
 @dataclass(frozen=True)
@@ -110,8 +131,7 @@ class MXFP8Scaling:
     def __post_init__(self):
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        _check_int("block_size", self.block_size, 1)
         if self.scale_mode not in ("floor", "rceil"):
             raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {self.scale_mode!r}")
 
@@ -155,13 +175,23 @@ class RoleState(nn.Module):
         super().__init__()
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        self.register_buffer("amax_history", torch.zeros(history_len, **f32))
-        self.register_buffer("scale", torch.ones((), **f32))
-        self.register_buffer("scale_inv", torch.ones((), **f32))
-        self.register_buffer("amax_rep", torch.zeros((), **f32))
-        self.register_buffer("pending_amax", torch.zeros((), **f32))
-        self.register_buffer("step", torch.zeros((), **i64))
-        self.register_buffer("nonfinite_count", torch.zeros((), **i64))
+        self.register_buffer("amax_history", torch.empty(history_len, **f32))
+        self.register_buffer("scale", torch.empty((), **f32))
+        self.register_buffer("scale_inv", torch.empty((), **f32))
+        self.register_buffer("amax_rep", torch.empty((), **f32))
+        self.register_buffer("pending_amax", torch.empty((), **f32))
+        self.register_buffer("step", torch.empty((), **i64))
+        self.register_buffer("nonfinite_count", torch.empty((), **i64))
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The initial state, in place (after to_empty() the buffers hold garbage)."""
+        for buf in (self.amax_history, self.amax_rep, self.pending_amax, self.step,
+                    self.nonfinite_count):
+            buf.zero_()
+        self.scale.fill_(1.0)
+        self.scale_inv.fill_(1.0)
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, fmt) -> None:
@@ -188,22 +218,14 @@ class RoleState(nn.Module):
         self.nonfinite_count.add_((~finite).to(torch.int64))
 
 
-_OPTIMIZER_STEPS = [0]  # torch.optim steps taken in this process (invalidates weight caches)
-
-
-def _count_optimizer_step(optimizer, args, kwargs):
-    _OPTIMIZER_STEPS[0] += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
 class ScalingState(nn.Module):
     """The FP8 state of one linear layer, for any recipe: delayed-scaling buffers (a RoleState for
     input, weight and grad; DelayedScaling only), the Philox seed/offset for stochastic gradient
-    rounding, and the cached FP8 weight (cast once per optimizer step: reused while the weight's
-    storage and version are unchanged). The buffers and the offset round-trip through state_dict;
-    the weight cache is not saved (it is rebuilt from the weight)."""
+    rounding, and the cached FP8 weight (cast once per optimizer step; see weight_cache). The
+    buffers and the offset round-trip through state_dict, copy.deepcopy and pickle; of the cached
+    weight only the scale of a delayed-scaling cast that the next forward would reuse is saved
+    (the FP8 payload is rebuilt from the weight), so a resumed or copied layer continues exactly
+    as the original, mid-accumulation too."""
 
     ROLES = ("input", "weight", "grad")
 
@@ -215,11 +237,18 @@ class ScalingState(nn.Module):
             self.input = RoleState(n, device)
             self.weight = RoleState(n, device)
             self.grad = RoleState(n, device)
-        self.rng_seed = int(getattr(self.recipe, "seed", 0))
-        self.rng_offset = 0
-        self._weight_cache = None  # ((data_ptr, values key), quantized weight)
         # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
         self.recording = True
+        self.reset()
+
+    def reset(self) -> None:
+        """The initial state: fresh scaling buffers, RNG offset 0, no cached weight."""
+        for role in self.ROLES:
+            if role in self._modules:
+                self._modules[role].reset()
+        self.rng_seed = int(getattr(self.recipe, "seed", 0))
+        self.rng_offset = 0
+        self._weight_cache = None  # a weight_cache.CachedCast
 
     @property
     def delayed(self) -> bool:
@@ -232,35 +261,55 @@ class ScalingState(nn.Module):
         self.rng_offset += 1
         return self.rng_seed, offset
 
-    def cached_weight(self, weight: torch.Tensor, cast):
-        """The FP8 weight, cast once per weight version and optimizer step.
-
-        cast(weight, new_values) does the cast; new_values says whether the weight's values may
-        have changed since the last cast (a new version or optimizer step), which is when the
-        delayed-scaling weight role steps. A cast forced only by a new storage (FSDP2 re-gathers
-        the unsharded weight into fresh memory per microbatch, at addresses that differ by rank)
-        reuses the scales, so every rank steps, and all-reduces, the same number of times.
-        The optimizer-step count is in the key because FSDP2 writes the updated weight under
-        _unsafe_preserve_version_counter. Under torch.compile there is no version: cast each call.
-        """
+    def cached_weight(self, weight: torch.Tensor, cast: weight_cache.Cast, live: bool = False):
+        """The FP8 weight, cast once per weight version and optimizer step (weight_cache.lookup).
+        live: this forward steps delayed scaling (training mode, not a checkpoint recompute).
+        Under torch.compile there is no version: cast each call."""
         if torch.compiler.is_compiling():
-            return cast(weight, True)
-        values = (weight._version, _OPTIMIZER_STEPS[0], weight.dtype, weight.shape, weight.device)
-        key = (weight.data_ptr(), values)
-        if self._weight_cache is None or self._weight_cache[0] != key:
-            new_values = self._weight_cache is None or self._weight_cache[0][1] != values
-            self._weight_cache = (key, cast(weight, new_values))
-        return self._weight_cache[1]
+            return cast(weight, live, None)[0]
+        self._weight_cache, payload = weight_cache.lookup(self._weight_cache, weight, cast, live)
+        return payload
 
     def get_extra_state(self):
-        return {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
+        extra = {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
+        scale = weight_cache.saved(self._weight_cache)
+        if scale is not None:  # mid-accumulation: the cast the next forward reuses
+            extra["weight_cast_scale"] = scale
+        return extra
 
     def set_extra_state(self, extra):
         self.rng_seed, self.rng_offset = int(extra["rng_seed"]), int(extra["rng_offset"])
+        scale = extra.get("weight_cast_scale")  # absent from older checkpoints
+        if scale is not None and self.delayed:
+            scale = scale.to(self.weight.scale.device, torch.float32, copy=True)
+        self._weight_cache = weight_cache.restored(scale if self.delayed else None)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._weight_cache = None
         super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self):
+        # float8 payloads and the weakref do not pickle; the scale is what exactness needs
+        state = super().__getstate__()
+        state["_weight_cache"] = weight_cache.restored(weight_cache.saved(self._weight_cache))
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
+        self._weight_cache = weight_cache.restored(None if entry is None else entry.scale)
+
+    def _apply(self, fn, recurse=True):
+        # Module.half() / .to(dtype) must not touch the float32 scales (an fp16 scale overflows
+        # to inf); device moves still apply. A dtype-changing fn gets the original values moved.
+        def keep_dtype(t):
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(new.device)
+
+        # called before the owner's weight moves: the cast it would reuse keeps its scale
+        scale = weight_cache.saved(self._weight_cache)
+        self._weight_cache = weight_cache.restored(None if scale is None else keep_dtype(scale))
+        return super()._apply(keep_dtype, recurse)
 
     def extra_repr(self) -> str:
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe

@@ -6,13 +6,14 @@ names the problem; the numerics live in the ops (ops.py).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
 from .formats import FP8Format, get_format
-from .scaling import current_scale
+from .scaling import check_margin, current_scale
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,17 +96,31 @@ def _check_out_dtype(dtype) -> torch.dtype:
     return dtype
 
 
+_BAD_SCALE = "scale must be a positive finite number, in float32 and with a finite reciprocal"
+
+
 def _scale_tensor(scale, device) -> torch.Tensor:
+    """scale as a float32 0-d tensor on x's device. It is checked as the ops see it: in float32
+    (1e39 overflows, 1e-50 underflows) and its reciprocal, which dequantizes, finite. A tensor
+    scale off the CPU is checked asynchronously (torch._assert_async: no host sync; a bad value
+    fails as a device-side assert), as is any tensor scale under torch.compile."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise ValueError(f"scale must hold one value, got shape {tuple(scale.shape)}")
         if scale.device != device:
             raise ValueError(f"scale is on {scale.device} but x is on {device}")
-        return scale.reshape(()).to(torch.float32)
-    scale = float(scale)
-    if not (scale > 0 and scale != float("inf")):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    return torch.tensor(scale, dtype=torch.float32, device=device)
+        s = scale.reshape(()).to(torch.float32)
+    else:
+        # host data: checked on the CPU (whatever the default device), no sync
+        s = torch.tensor(float(scale), dtype=torch.float32, device="cpu")
+    ok = (s > 0) & torch.isfinite(s) & torch.isfinite(torch.reciprocal(s))
+    if s.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not ok:
+            value = scale.item() if isinstance(scale, torch.Tensor) else scale
+            raise ValueError(f"{_BAD_SCALE}, got {value}")
+    else:
+        torch._assert_async(ok, _BAD_SCALE)
+    return s.to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +143,7 @@ def quantize(x: torch.Tensor, fmt="e4m3", scale=None, *, rounding: str = "neares
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if transpose and x.dim() == 0:
         raise ValueError("transpose=True needs a tensor with at least one dimension")
+    check_margin(margin)
     if scale is None:
         scale = current_scale(torch.ops.fp8ops.amax(x), fmt, margin)
     else:
@@ -170,8 +186,12 @@ def quantize_blockwise(x: torch.Tensor, fmt="e4m3", block=(1, 128),
     activations, (128, 128) for weights; scale_inv = amax / max per block."""
     _check_input(x)
     fmt = get_format(fmt)
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block)):
+        raise TypeError(f"block must be a (rows, cols) pair of ints, e.g. (1, 128) for "
+                        f"activations or (128, 128) for weights, got {block!r}")
     block = tuple(int(b) for b in block)
-    if len(block) != 2 or min(block) <= 0:
+    if min(block) <= 0:
         raise ValueError(f"block must be two positive sizes, e.g. (1, 128), got {block}")
     if x.dim() == 0:
         raise ValueError("quantize_blockwise needs a tensor with at least one dimension")

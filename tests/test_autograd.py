@@ -1,6 +1,7 @@
 """Training semantics of the FP8 linear autograd (DESIGN.md section 7)."""
 import math
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -127,3 +128,18 @@ def test_power_of_two_scales_for_every_cast():
     scales = [args[1].item() for name, args in log.calls if name == "quantize"]
     assert len(scales) == 3  # weight, input, grad_output
     assert all(math.log2(s).is_integer() for s in scales), scales
+
+
+@pytest.mark.parametrize("recipe", [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(),
+                                    fp8ops.MXFP8Scaling(), fp8ops.BlockwiseScaling()],
+                         ids=["current", "delayed", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("loss", [lambda y: y.sum(), lambda y: y.pow(2).sum()],
+                         ids=["constant_dy", "dy_requires_grad"])
+def test_double_backward_raises_naming_fp8ops(recipe, loss):
+    """A gradient penalty through an FP8 layer must fail loudly, not lose its second-order term."""
+    lin = fp8ops.FP8Linear(64, 32, recipe=recipe)
+    x = torch.randn(8, 64, requires_grad=True)
+    out = loss(lin(x))
+    (gx,) = torch.autograd.grad(out, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="fp8ops.*double backward"):
+        (out.detach() + gx.pow(2).sum()).backward()

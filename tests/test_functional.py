@@ -104,3 +104,18 @@ def test_nan_input_propagates_and_is_counted():
 def test_bad_arguments_name_the_problem(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+@pytest.mark.parametrize("name", ["current", "delayed", "mxfp8", "blockwise"])
+def test_weight_cache_tells_a_transposed_view_from_the_weight(name):
+    recipe = RECIPES[name]
+    w = torch.randn(64, 64)
+    x = torch.randn(4, 64)
+    st = fp8ops.ScalingState(recipe)
+    fp8ops.linear(x, w, state=st)
+    ref_state = fp8ops.ScalingState(recipe)  # the same state, without the cached cast of w
+    ref_state.load_state_dict(st.state_dict())
+    ref_state._weight_cache = None
+    got = fp8ops.linear(x, w.t(), state=st)  # same storage, version and shape; other strides
+    assert torch.equal(got, fp8ops.linear(x, w.t(), state=ref_state))
+    assert not torch.equal(got, fp8ops.linear(x, w, state=st))

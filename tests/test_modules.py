@@ -1,5 +1,8 @@
 """FP8Linear, convert_to_fp8, state_dict round trips and torch.compile."""
+import copy
 import io
+import logging
+import pickle
 
 import pytest
 import torch
@@ -124,3 +127,299 @@ def test_eval_mode_uses_the_scales_and_records_nothing():
     lin.train()
     lin(torch.randn(4, 32))
     assert lin.fp8_state.input.step.item() == 2
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                                     lambda m: m.to("meta", torch.float16)],
+                         ids=["half", "to_bf16", "to_meta_fp16"])
+def test_dtype_conversion_keeps_the_fp8_state_float32(convert):
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling(amax_history_len=4))
+    with torch.no_grad():
+        lin.fp8_state.input.scale.fill_(1e6)  # beyond float16's range
+    before = {k: v.clone() for k, v in lin.fp8_state.named_buffers()}
+    convert(lin)
+    assert lin.weight.dtype in (torch.float16, torch.bfloat16)
+    for k, v in lin.fp8_state.named_buffers():
+        assert v.dtype == before[k].dtype and v.device == lin.weight.device, k
+        if v.device.type == "cpu":
+            assert torch.equal(v, before[k]), k
+
+
+def test_half_module_trains_with_float32_scales():
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling(amax_history_len=4)).half()
+    for _ in range(3):
+        lin(torch.randn(4, 32, dtype=torch.float16) * 1e3).float().sum().backward()
+    assert lin.fp8_state.input.scale.dtype == torch.float32
+    assert torch.isfinite(lin.fp8_state.input.scale) and torch.isfinite(lin.weight.grad).all()
+
+
+def _assert_same_state_dict(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+def test_meta_init_then_to_empty_and_reset_parameters():
+    recipe = fp8ops.DelayedScaling(amax_history_len=4, seed=5)
+    lin = fp8ops.FP8Linear(32, 16, recipe=recipe, device="meta")
+    assert all(b.device.type == "meta" for b in lin.fp8_state.buffers())
+    lin.to_empty(device="cpu")
+    with torch.no_grad():
+        for b in lin.fp8_state.buffers():
+            b.fill_(7)  # what to_empty() may leave there
+    lin.fp8_state.rng_offset = 9
+    lin.reset_parameters()
+    _assert_same_state_dict(lin.fp8_state.state_dict(), fp8ops.ScalingState(recipe).state_dict())
+
+
+def test_meta_model_converted_then_materialized_trains_like_a_cpu_one():
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    with torch.device("meta"):
+        meta = fp8ops.convert_to_fp8(Block(), recipe)
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for b in meta.buffers():
+            b.fill_(7)
+    torch.manual_seed(0)
+    for mod in meta.modules():
+        if hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+    torch.manual_seed(0)
+    ref = fp8ops.convert_to_fp8(Block(), recipe)
+    _assert_same_state_dict(meta.state_dict(), ref.state_dict())
+    assert _train(meta, 3, seed=4)[0] == _train(ref, 3, seed=4)[0]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_inference_mode_forward_then_training_step(recipe, mode):
+    """Validation under torch.inference_mode must leave nothing behind that autograd cannot save,
+    and must act exactly as it does under no_grad."""
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    torch.manual_seed(0)
+    ref = fp8ops.convert_to_fp8(Block(), recipe)
+    x = torch.randn(16, 64)
+    model.train(mode == "train")
+    ref.train(mode == "train")
+    with torch.inference_mode():
+        model(x)
+    with torch.no_grad():
+        ref(x)
+    model.train()
+    ref.train()
+    out, ref_out = model(x), ref(x)
+    out.pow(2).sum().backward()
+    ref_out.pow(2).sum().backward()
+    assert torch.equal(out, ref_out)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def _train_with_validation(model, steps, seed, validate):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    val = torch.Generator().manual_seed(seed + 1)
+    outs = []
+    for _ in range(steps):
+        if validate:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(16, 64, generator=val) * 10)
+            with torch.inference_mode():
+                model(torch.randn(16, 64, generator=val))
+            model.train()
+        x = torch.randn(16, 64, generator=gen)
+        for _ in range(2):  # two microbatches
+            out = model(x)
+            out.pow(2).mean().backward()
+            outs.append(out.detach())
+        opt.step()
+        opt.zero_grad()
+    return outs
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_eval_forwards_have_no_effect_on_training(recipe):
+    torch.manual_seed(0)
+    plain = fp8ops.convert_to_fp8(Block(), recipe)
+    torch.manual_seed(0)
+    validated = fp8ops.convert_to_fp8(Block(), recipe)
+    a = _train_with_validation(plain, 4, seed=3, validate=False)
+    b = _train_with_validation(validated, 4, seed=3, validate=True)
+    for step, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), step
+    _assert_same_state_dict(plain.state_dict(), validated.state_dict())
+
+
+def _lockstep(a, b, plan, seed):
+    """Runs the plan ("micro": forward + backward, "step": optimizer step, "eval": an eval
+    forward) on two (model, optimizer) pairs side by side: every optimizer step in the process
+    starts a new weight version for every layer, so the pairs must not run ahead of each other.
+    Asserts bit-identical outputs and gradients throughout."""
+    gen = torch.Generator().manual_seed(seed)
+    for i, kind in enumerate(plan):
+        if kind == "step":
+            for _, opt in (a, b):
+                opt.step()
+                opt.zero_grad()
+            continue
+        x = torch.randn(16, 64, generator=gen) * (1 + i % 3)
+        outs = []
+        for model, _ in (a, b):
+            model.train(kind == "micro")
+            with torch.set_grad_enabled(kind == "micro"):
+                out = model(x)
+            if kind == "micro":
+                out.pow(2).mean().backward()
+            outs.append(out)
+            model.train()
+        assert torch.equal(outs[0], outs[1]), (i, kind)
+        for p, q in zip(a[0].parameters(), b[0].parameters()):
+            assert (p.grad is None) == (q.grad is None) and (
+                p.grad is None or torch.equal(p.grad, q.grad)), (i, kind)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _copy_grads(src, dst):
+    for p, q in zip(src.parameters(), dst.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+
+
+CONTINUE = ["micro", "eval", "micro", "step", "micro", "micro", "step", "micro"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("when", ["mid_accumulation", "after_step", "eval_after_load"])
+def test_resume_from_state_dict_is_exact(recipe, when):
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    opt = _sgd(model)
+    _train(model, 2, seed=1, opt=opt)
+    if when != "after_step":
+        gen = torch.Generator().manual_seed(2)
+        model(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()  # first microbatch
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    fresh = fp8ops.convert_to_fp8(Block(), recipe)
+    fresh_opt = _sgd(fresh)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["opt"])
+    _copy_grads(model, fresh)  # gradients are not in a checkpoint
+    plan = (["eval"] if when == "eval_after_load" else []) + CONTINUE
+    _lockstep((model, opt), (fresh, fresh_opt), plan, seed=3)
+    _assert_same_state_dict(model.state_dict(), fresh.state_dict())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copy_mid_accumulation_continues_exactly(recipe, how):
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    opt = _sgd(model)
+    _train(model, 2, seed=1, opt=opt)
+    model(torch.randn(16, 64)).pow(2).mean().backward()  # first microbatch
+    if how == "deepcopy":
+        dup = copy.deepcopy(model)
+    elif how == "pickle":
+        dup = pickle.loads(pickle.dumps(model))
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        dup = torch.load(buf, weights_only=False)
+    dup_opt = _sgd(dup)
+    dup_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # not sharing momentum buffers
+    _copy_grads(model, dup)
+    _lockstep((model, opt), (dup, dup_opt), CONTINUE, seed=3)
+
+
+def test_convert_again_applies_the_new_recipe():
+    delayed = fp8ops.DelayedScaling(amax_history_len=4)
+    model = fp8ops.convert_to_fp8(Block(), delayed)
+    _train(model, 1, seed=0)
+    kept = model.up.fp8_state
+    fp8ops.convert_to_fp8(model, fp8ops.DelayedScaling(amax_history_len=4))  # the same recipe
+    assert model.up.fp8_state is kept and kept.input.step.item() == 1
+    mx = fp8ops.MXFP8Scaling()
+    up = model.up
+    assert fp8ops.convert_to_fp8(model, mx, filter_fn=lambda mod, fqn: fqn != "head") is model
+    assert model.up is up and model.up.recipe == mx and model.down.recipe == mx
+    assert model.up.fp8_state.recipe == mx and model.head.recipe == delayed
+    x = torch.randn(4, 64)
+    assert torch.equal(model.up(x), fp8ops.linear(x, up.weight, up.bias, recipe=mx))
+    single = fp8ops.FP8Linear(64, 32)
+    assert fp8ops.convert_to_fp8(single, mx) is single and single.recipe == mx
+
+
+def test_convert_again_with_another_process_group_applies_it():
+    first, second = object(), object()  # stand-ins: no collective runs outside torch.distributed
+    lin = fp8ops.convert_to_fp8(nn.Linear(8, 8), fp8ops.DelayedScaling(process_group=first))
+    fp8ops.convert_to_fp8(lin, fp8ops.DelayedScaling(process_group=second))
+    assert lin.recipe.process_group is second and lin.fp8_state.recipe.process_group is second
+
+
+def _head_stays(mod, fqn):
+    return fqn != "head"
+
+
+def test_plain_checkpoint_loads_strictly_into_a_converted_model(caplog):
+    torch.manual_seed(0)
+    plain = Block()
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    model = fp8ops.convert_to_fp8(Block(), recipe, filter_fn=_head_stays)
+    _train(model, 2, seed=0)  # an FP8 state that is not fresh
+    with caplog.at_level(logging.INFO, logger="fp8ops"):
+        model.load_state_dict(plain.state_dict())  # strict
+    assert [r.name for r in caplog.records] == ["fp8ops.modules"] * 2  # one line per layer
+    assert "up" in caplog.records[0].getMessage()
+    for layer in (model.up, model.down):
+        _assert_same_state_dict(layer.fp8_state.state_dict(),
+                                fp8ops.ScalingState(recipe).state_dict())
+    ref = fp8ops.convert_to_fp8(copy.deepcopy(plain), recipe, filter_fn=_head_stays)
+    assert _train(model, 2, seed=1)[0] == _train(ref, 2, seed=1)[0]
+    single = fp8ops.FP8Linear(64, 128)
+    single.load_state_dict(plain.up.state_dict())
+    assert torch.equal(single.weight, plain.up.weight)
+
+
+def test_converted_checkpoint_loads_strictly_into_the_plain_model():
+    model = fp8ops.convert_to_fp8(Block(), fp8ops.DelayedScaling(amax_history_len=4))
+    _train(model, 1, seed=0)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        Block().load_state_dict(model.state_dict())
+    for plain_sd in (fp8ops.plain_state_dict(model), fp8ops.plain_state_dict(model.state_dict())):
+        plain = Block()
+        plain.load_state_dict(plain_sd)  # strict
+        for p, q in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_convert_from_fp8_gives_nn_linear_with_the_same_weights(recipe):
+    model = fp8ops.convert_to_fp8(Block(), recipe).to(torch.bfloat16).eval()
+    params = dict(model.named_parameters())
+    assert fp8ops.convert_from_fp8(model) is model
+    assert all(type(m) is nn.Linear and not m.training for m in (model.up, model.down, model.head))
+    for name, p in model.named_parameters():
+        assert p is params[name], name  # the same Parameters: same device and dtype
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    ref = Block().to(torch.bfloat16)
+    ref.load_state_dict(model.state_dict())  # strict: no FP8 state left
+    assert torch.equal(model(x), ref(x))
+    single = fp8ops.FP8Linear(8, 4, bias=False, recipe=recipe, device="meta")
+    lin = fp8ops.convert_from_fp8(single)
+    assert type(lin) is nn.Linear and lin.weight is single.weight and lin.bias is None
+
+
+def test_converting_a_model_in_eval_mode_keeps_it_in_eval_mode():
+    model = fp8ops.convert_to_fp8(Block().eval(), fp8ops.DelayedScaling(amax_history_len=4))
+    assert not any(m.training for m in model.modules())
+    model(torch.randn(4, 64))
+    assert model.up.fp8_state.input.step.item() == 0  # eval records nothing

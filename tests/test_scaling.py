@@ -28,6 +28,23 @@ def test_recipe_validation(make, match):
         make()
 
 
+@pytest.mark.parametrize("make, err, match", [
+    (lambda: fp8ops.DelayedScaling(amax_history_len=2.5), TypeError, "amax_history_len"),
+    (lambda: fp8ops.DelayedScaling(interval=1.5), TypeError, "interval"),
+    (lambda: fp8ops.DelayedScaling(interval=True), TypeError, "interval"),
+    (lambda: fp8ops.DelayedScaling(seed=0.5), TypeError, "seed"),
+    (lambda: fp8ops.CurrentScaling(seed=2**64), ValueError, "seed"),
+    (lambda: fp8ops.MXFP8Scaling(block_size=32.0), TypeError, "block_size"),
+    (lambda: fp8ops.DelayedScaling(margin=1e-50), ValueError, "margin"),  # 0 in float32
+    (lambda: fp8ops.CurrentScaling(margin=1e39), ValueError, "margin"),  # inf in float32
+    (lambda: fp8ops.CurrentScaling(margin=float("nan")), ValueError, "margin"),
+    (lambda: fp8ops.CurrentScaling(margin="2"), TypeError, "margin"),
+])
+def test_recipe_fields_of_the_wrong_kind_are_named(make, err, match):
+    with pytest.raises(err, match=match):
+        make()
+
+
 def test_recipes_are_frozen_and_comparable():
     r = fp8ops.DelayedScaling(margin=2.0)
     with pytest.raises(Exception):

@@ -69,6 +69,42 @@ def test_bad_arguments_name_the_problem(call, err, match):
         call()
 
 
+@pytest.mark.parametrize("scale", [0.0, -2.0, float("nan"), float("inf"), 1e39, 1e-50, 1e-40],
+                         ids=["zero", "negative", "nan", "inf", "overflows", "underflows",
+                              "reciprocal_overflows"])
+@pytest.mark.parametrize("kind", ["python", "tensor", "float64_tensor"])
+def test_bad_scales_are_rejected_as_python_numbers_and_tensors(scale, kind):
+    if kind == "tensor":
+        scale = torch.tensor(scale)  # float32: 1e39 is inf, 1e-50 is 0 already
+    elif kind == "float64_tensor":
+        scale = torch.tensor(scale, dtype=torch.float64)
+    with pytest.raises(ValueError, match="scale must be a positive finite"):
+        fp8ops.quantize(torch.ones(4), scale=scale)
+
+
+def test_scale_check_on_a_device_does_not_sync():
+    # off the CPU the check is torch._assert_async; on the meta device it runs without data
+    x = torch.ones(4, device="meta")
+    assert fp8ops.quantize(x, scale=torch.tensor(0.0, device="meta")).data.device.type == "meta"
+    with pytest.raises(ValueError, match="scale must be"):  # a Python number is host data
+        fp8ops.quantize(x, scale=0.0)
+    with torch.device("meta"):  # the default device does not move the host checks
+        assert fp8ops.quantize(torch.ones(4), scale=2.0, margin=2.0).scale.device.type == "meta"
+        assert fp8ops.DelayedScaling(margin=2.0).margin == 2.0
+
+
+@pytest.mark.parametrize("margin", [0.0, -1.0, float("nan"), float("inf"), 1e-50])
+def test_quantize_rejects_a_bad_margin(margin):
+    with pytest.raises(ValueError, match="margin must be a positive finite"):
+        fp8ops.quantize(torch.ones(4), margin=margin)
+
+
+@pytest.mark.parametrize("block", [128, (128,), (1, 128, 1), (1.5, 128), "1x128"])
+def test_quantize_blockwise_names_a_malformed_block(block):
+    with pytest.raises(TypeError, match=r"block must be a \(rows, cols\) pair"):
+        fp8ops.quantize_blockwise(torch.ones(4, 128), block=block)
+
+
 def test_mx_and_blockwise_tensors():
     x = torch.randn(64, 96)
     mx = fp8ops.quantize_mx(x, block_size=32, axis=0, scale_mode="rceil")
