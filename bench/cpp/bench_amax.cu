@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
   FP8OPS_CUDA_CHECK(cudaMalloc(&y, n * 2));
   FP8OPS_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
   fill_random<<<1024, 256>>>(x, n, 1234u);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
   float t_amax = median_ms([&] { fp8ops::launch_amax({x, fp8ops::DType::kBFloat16, n, amax}, 0); },
                            flush, flush_bytes);
   float t_copy = median_ms(

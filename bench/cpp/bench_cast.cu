@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   FP8OPS_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
   FP8OPS_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
   fill_random<<<1024, 256>>>(x, n, 1234u);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
   const float s = 100.0f;
   FP8OPS_CUDA_CHECK(cudaMemcpy(scale, &s, sizeof(float), cudaMemcpyHostToDevice));
 

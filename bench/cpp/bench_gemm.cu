@@ -53,15 +53,15 @@ int main(int argc, char** argv) {
   FP8OPS_CUDA_CHECK(cudaMalloc(&sfb, Kb * Nb * sizeof(float)));
   FP8OPS_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
   fill_random<<<1024, 256>>>(a, M * K, 1234u);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
   fill_random<<<1024, 256>>>(b, N * K, 5678u);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
   fill_value<<<1, 32>>>(scales, 2, 0.5f);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
   fill_value<<<256, 256>>>(sfa, Kb * M, 0.25f);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
   fill_value<<<64, 256>>>(sfb, Kb * Nb, 0.125f);
-  FP8OPS_CHECK_LAUNCH();
+  FP8OPS_CUDA_CHECK(cudaGetLastError());
 
   fp8ops::GemmParams p{};
   p.a = a;
