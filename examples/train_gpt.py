@@ -10,7 +10,8 @@ the same fixed validation batches. The FP8 runs convert the transformer blocks' 
 embeddings and the LM head stay in high precision (filter_fn), as do LayerNorm, softmax-attention
 and the loss. Baseline precision: float32 on CPU; on CUDA every run (the baseline and the
 non-FP8 ops of the FP8 runs) runs under bfloat16 autocast.
-Outputs in --out-dir: results.md (the table), loss_curves.png, results.json.
+Outputs in --out-dir: results.md (the table), loss_curves.png, scaling.png (each FP8 layer's scale
+and gradient underflow over the run, from fp8ops.monitor), results.json.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8ops  # noqa: E402
 from data import VOCAB_SIZE, Batches, fixed_batches, load_tokens  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+import scaling_report  # noqa: E402
 
 RECIPES = {
     "baseline": lambda: None,
@@ -66,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "out"))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--monitor-every", type=int, default=10,
+                   help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
     args = p.parse_args(argv)
     for k, v in SIZES[args.size].items():
         if getattr(args, k) is None:
@@ -159,6 +163,8 @@ def run(name, args, train_tokens, val_batches, device):
     model = GPT(cfg).to(device)
     if recipe is not None:
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision)
+        if args.monitor_every:
+            fp8ops.monitor(model, every=args.monitor_every)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     batches = Batches(train_tokens, args.batch_size, args.seq_len, seed=args.seed + 1)
     if device.type == "cuda":
@@ -170,7 +176,7 @@ def run(name, args, train_tokens, val_batches, device):
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(bar, desc=f"{name:>18}", leave=True, dynamic_ncols=True)
-    train_curve, val_curve, train_time = [], [], 0.0
+    train_curve, val_curve, scaling_curve, train_time = [], [], [], 0.0
     with PeakMemory(device) as mem:
         for step in bar:
             x, y = batches.next()
@@ -189,6 +195,7 @@ def run(name, args, train_tokens, val_batches, device):
             loss_val = loss.item()  # syncs, so the timing is the step's
             train_time += time.perf_counter() - t0
             train_curve.append(loss_val)
+            scaling_report.sample(model, step + 1, scaling_curve)  # untimed: it reads values back
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 val_curve.append((step + 1, evaluate(model, val_batches, device, autocast)))
             if not args.no_progress:
@@ -201,7 +208,7 @@ def run(name, args, train_tokens, val_batches, device):
                 final_train_loss=sum(train_curve[-tail:]) / tail,
                 final_val_loss=val_curve[-1][1], tokens_per_s=args.steps * args.batch_size
                 * args.seq_len / train_time, peak_mem_mib=mem.peak_mib, mem_method=mem.method,
-                train_curve=train_curve, val_curve=val_curve)
+                train_curve=train_curve, val_curve=val_curve, scaling_curve=scaling_curve)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +276,9 @@ def main(argv=None):
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(dict(args=vars(args), results=results), f, indent=1)
     plot(results, os.path.join(args.out_dir, "loss_curves.png"))
-    print(f"wrote {args.out_dir}/results.md, results.json, loss_curves.png")
+    drew = scaling_report.plot(results, os.path.join(args.out_dir, "scaling.png"))
+    print(f"wrote {args.out_dir}/results.md, results.json, loss_curves.png"
+          + (", scaling.png" if drew else ""))
     return results
 
 

@@ -30,7 +30,8 @@ def load_extension() -> bool:
         return False
     missing = [f"{cc[0]}.{cc[1]}" for cc in set(ccs) if not kernels_built_for(cc)]
     if missing:
-        _state["why_not"] = (f"fp8ops._C has no kernel image for compute capability {', '.join(missing)} "
+        _state["why_not"] = (f"fp8ops._C has no kernel image for compute capability "
+                             f"{', '.join(missing)} "
                              f"(built for {_built_targets()}; rebuild with TORCH_CUDA_ARCH_LIST)")
         return False
     try:

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from .scaling import ScalingState, current_scale, recipe_formats
+from . import monitoring
+from .scaling import ScalingState, current_scale, grad_margin, recipe_formats
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -34,14 +35,16 @@ def _live(state: Optional[ScalingState]) -> bool:
     return state is not None and state.delayed and state.recording and not in_recompute()
 
 
-def _scale_before_cast(role, x, fmt, recipe, step: bool) -> torch.Tensor:
+def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float) -> torch.Tensor:
     """The scale for casting x: from the delayed-scaling role (stepped first when `step`), or,
     with no role (current scaling), from x's own amax."""
     if role is not None:
         if step:
-            role.update(recipe, fmt)
+            role.update(recipe, fmt, margin)
         return role.scale.clone()  # a copy: the buffer changes before backward uses it
-    return current_scale(_ops.amax(x), fmt, recipe.margin, recipe.power_of_two)
+    pct = getattr(recipe, "amax_percentile", None)
+    amax = _ops.amax(x) if pct is None else _ops.amax_percentile(x, pct)
+    return current_scale(amax, fmt, margin, recipe.power_of_two)
 
 
 _NO_DOUBLE_BACKWARD = (
@@ -99,6 +102,9 @@ class PerTensorLinear(torch.autograd.Function):
         fwd, bwd = recipe_formats(recipe)
         xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
         x_scale_inv = torch.reciprocal(x_scale)
+        ctx.sampled = monitoring.sampling(state)
+        if ctx.sampled:
+            monitoring.observe(state, "input", monitoring.per_tensor_stats(x2, xq, x_scale_inv))
         y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
         ctx.recipe, ctx.bwd, ctx.state, ctx.x_dtype = recipe, bwd, state, x2.dtype
@@ -114,7 +120,7 @@ class PerTensorLinear(torch.autograd.Function):
         dy2 = dy.contiguous()
         delayed = state is not None and state.delayed
         g_scale = _scale_before_cast(state.grad if delayed else None, dy2, ctx.bwd, recipe,
-                                     delayed and state.recording)
+                                     delayed and state.recording, grad_margin(recipe))
         stochastic = recipe.grad_rounding == "stochastic"
         seed, offset = state.next_rng() if stochastic else (0, 0)
         gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, stochastic, seed,
@@ -122,6 +128,8 @@ class PerTensorLinear(torch.autograd.Function):
         if delayed and state.recording:
             state.grad.record(g_amax, recipe.process_group)
         g_scale_inv = torch.reciprocal(g_scale)
+        if ctx.sampled:
+            monitoring.observe(state, "grad", monitoring.per_tensor_stats(dy2, gq, g_scale_inv))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _ops.gemm(gq, w_data_t, g_scale_inv, w_scale_inv, None, ctx.x_dtype, False)
@@ -148,14 +156,18 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
 
     def cast_weight(w, step, scale):
         if scale is None:
-            scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step)
+            scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step,
+                                       recipe.margin)
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
         if step:
             state.weight.record(w_amax, recipe.process_group)
         return (data, data_t, torch.reciprocal(scale)), scale
 
     w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight, live)
-    x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live)
+    if monitoring.sampling(state):
+        monitoring.observe(state, "weight", monitoring.per_tensor_stats(weight, w_data, w_scale_inv))
+    x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
+                                 recipe.margin)
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
                          "carry the random seed and offset")
@@ -172,13 +184,17 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
 # ----------------------------------------------------------------------------------------------
 class MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, w_row, w_col_t, recipe):
+    def forward(ctx, x2, weight, bias, w_row, w_col_t, recipe, state):
         fwd, bwd = recipe_formats(recipe)
         bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
         M, K = x2.shape
         N = weight.shape[0]
         xp = _pad(_pad(x2, 1, bs), 0, bs)  # [Mp, Kp]
         x_data, x_scales = _ops.quantize_mx(xp[:M], fwd.dtype, bs, 1, rceil)
+        ctx.sampled, ctx.state = monitoring.sampling(state), state
+        if ctx.sampled:
+            monitoring.observe(state, "input", monitoring.mx_stats(x2, x_data, x_scales, bs, 1))
+            monitoring.observe(state, "weight", monitoring.mx_stats(weight, *w_row, bs, 1))
         bias_p = None if bias is None else _pad(bias, 0, bs)
         y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, x2.dtype, bs)[:, :N]
         xc_data, xc_scales = _ops.quantize_mx(xp, fwd.dtype, bs, 0, rceil)  # blocked along M
@@ -195,14 +211,20 @@ class MXLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             g_data, g_scales = _ops.quantize_mx(dyp[:M], bwd.dtype, bs, 1, rceil)
+            if ctx.sampled:
+                monitoring.observe(ctx.state, "grad",
+                                   monitoring.mx_stats(dy, g_data, g_scales, bs, 1))
             dx = _ops.gemm_mx(g_data, g_scales, w_col_t, w_col_t_scales, None, x_dtype,
                               bs)[:, :K]
         if ctx.needs_input_grad[1]:
             gc_data, gc_scales = _ops.quantize_mx(dyp, bwd.dtype, bs, 0, rceil)
+            if ctx.sampled and not ctx.needs_input_grad[0]:
+                monitoring.observe(ctx.state, "grad",
+                                   monitoring.mx_stats(dy, gc_data, gc_scales, bs, 0))
             dw = _ops.gemm_mx(gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, _F32,
                               bs)[:N, :K]
             dw = _wgrad_out(weight, dw)
-        return dx, dw, _bias_grad(dy, bias, ctx.needs_input_grad[2]), None, None, None
+        return dx, dw, _bias_grad(dy, bias, ctx.needs_input_grad[2]), None, None, None, None
 
 
 def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
@@ -216,7 +238,7 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
         return (row, (col[0].t(), col[1].t())), None
 
     w_row, w_col_t = _cast_weight(weight, state, cast_weight)
-    return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe)
+    return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe, state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,10 +246,16 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
 # ----------------------------------------------------------------------------------------------
 class BlockwiseLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe):
+    def forward(ctx, x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state):
         fwd, bwd = recipe_formats(recipe)
         p2 = recipe.power_of_two
         x_data, x_scale_inv = _ops.quantize_blockwise(x2, fwd.dtype, 1, 128, p2)
+        ctx.sampled, ctx.state = monitoring.sampling(state), state
+        if ctx.sampled:
+            monitoring.observe(state, "input",
+                               monitoring.blockwise_stats(x2, x_data, x_scale_inv, 1, 128))
+            monitoring.observe(state, "weight",
+                            monitoring.blockwise_stats(weight, w_data, w_scale_inv, 128, 128))
         y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
         xt_data, xt_scale_inv = _ops.quantize_blockwise(x2.t(), fwd.dtype, 1, 128, p2)
         ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)
@@ -243,13 +271,20 @@ class BlockwiseLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             g_data, g_scale_inv = _ops.quantize_blockwise(dy2, bwd.dtype, 1, 128, p2)
+            if ctx.sampled:
+                monitoring.observe(ctx.state, "grad",
+                                monitoring.blockwise_stats(dy2, g_data, g_scale_inv, 1, 128))
             dx = _ops.gemm_blockwise(g_data, w_data_t, g_scale_inv, w_t_scale_inv, None,
                                      x_dtype)
         if ctx.needs_input_grad[1]:
             gt_data, gt_scale_inv = _ops.quantize_blockwise(dy2.t(), bwd.dtype, 1, 128, p2)
+            if ctx.sampled and not ctx.needs_input_grad[0]:
+                monitoring.observe(ctx.state, "grad",
+                                monitoring.blockwise_stats(dy2.t(), gt_data, gt_scale_inv, 1, 128))
             dw = _wgrad_out(weight, _ops.gemm_blockwise(gt_data, xt_data, gt_scale_inv,
                                                         xt_scale_inv, None, _F32))
-        return dx, dw, _bias_grad(dy2, bias, ctx.needs_input_grad[2]), None, None, None, None
+        return (dx, dw, _bias_grad(dy2, bias, ctx.needs_input_grad[2]), None, None, None, None,
+                None)
 
 
 def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
@@ -260,4 +295,4 @@ def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
         return (data, scale_inv, data.t().contiguous()), None
 
     w_data, w_scale_inv, w_data_t = _cast_weight(weight, state, cast_weight)
-    return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe)
+    return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state)

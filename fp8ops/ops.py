@@ -14,6 +14,7 @@ _lib = torch.library.Library("fp8ops", "DEF")
 
 SCHEMAS = {
     "amax": "(Tensor x) -> Tensor",
+    "amax_percentile": "(Tensor x, float percentile) -> Tensor",
     "quantize": "(Tensor x, Tensor scale, ScalarType dtype, bool transpose=False, "
                 "bool stochastic=False, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor)",
     "dequantize": "(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",
@@ -77,6 +78,11 @@ def _rows_cols(x: torch.Tensor):
 
 @torch.library.register_fake("fp8ops::amax")
 def _(x):
+    return _scalar_f32(x)
+
+
+@torch.library.register_fake("fp8ops::amax_percentile")
+def _(x, percentile):
     return _scalar_f32(x)
 
 

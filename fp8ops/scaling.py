@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -55,14 +55,21 @@ def as_float32(value) -> float:
     return torch.tensor(float(value), dtype=torch.float32, device="cpu").item()
 
 
-def check_margin(margin):
+def check_margin(margin, name="margin"):
     """margin multiplies amax in float32: it must be positive and finite there (0 would saturate
     every value, a negative one flip signs)."""
     if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
-        raise TypeError(f"margin must be a number, got {margin!r}")
+        raise TypeError(f"{name} must be a number, got {margin!r}")
     if not 0 < as_float32(margin) < math.inf:
-        raise ValueError(f"margin must be a positive finite factor in float32 (1.0 = none), "
+        raise ValueError(f"{name} must be a positive finite factor in float32 (1.0 = none), "
                          f"got {margin}")
+
+
+def grad_margin(recipe) -> float:
+    """The margin of the gradient casts: the recipe's grad_margin, else its margin (gradients
+    can spike between steps: a larger margin leaves them headroom)."""
+    margin = getattr(recipe, "grad_margin", None)
+    return recipe.margin if margin is None else margin
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class DelayedScaling:
     grad_rounding: str = "nearest"
     seed: int = 0
     process_group: Any = field(default=None, compare=False)
+    grad_margin: Optional[float] = None  # margin of the gradient casts (None: `margin`)
 
     def __post_init__(self):
         _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY)
@@ -94,6 +102,8 @@ class DelayedScaling:
         if not 0 < self.percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         check_margin(self.margin)
+        if self.grad_margin is not None:
+            check_margin(self.grad_margin, "grad_margin")
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
@@ -109,9 +119,19 @@ class CurrentScaling:
     power_of_two: bool = False
     grad_rounding: str = "nearest"
     seed: int = 0
+    grad_margin: Optional[float] = None  # margin of the gradient casts (None: `margin`)
+    # None: amax = max |x|. A percentile (e.g. 99.99): the amax is that percentile of |x| within
+    # the tensor (nearest rank), so a few outliers saturate instead of stretching the scale.
+    amax_percentile: Optional[float] = None
 
     def __post_init__(self):
         check_margin(self.margin)
+        if self.grad_margin is not None:
+            check_margin(self.grad_margin, "grad_margin")
+        if self.amax_percentile is not None and not (
+                isinstance(self.amax_percentile, numbers.Real) and 0 < self.amax_percentile <= 100):
+            raise ValueError(f"amax_percentile must be in (0, 100] or None, "
+                             f"got {self.amax_percentile!r}")
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
@@ -193,12 +213,24 @@ class RoleState(nn.Module):
         self.scale.fill_(1.0)
         self.scale_inv.fill_(1.0)
 
+    def extra_repr(self) -> str:
+        if self.scale.device.type == "meta":
+            return "meta"
+        hist = self.amax_history.tolist()
+        shown = ", ".join(f"{v:.4g}" for v in hist[:4]) + (", ..." if len(hist) > 4 else "")
+        return (f"scale={self.scale.item():.6g}, amax={self.amax_rep.item():.6g}, "
+                f"pending_amax={self.pending_amax.item():.6g}, step={self.step.item()}, "
+                f"nonfinite={self.nonfinite_count.item()}, history=[{shown}]")
+
     @torch.no_grad()
-    def update(self, recipe: DelayedScaling, fmt) -> None:
+    def update(self, recipe: DelayedScaling, fmt, margin: Optional[float] = None) -> None:
+        """One step of the state machine; margin defaults to the recipe's (the grad role passes
+        grad_margin)."""
         self.step.add_(1)
         outs = torch.ops.fp8ops.delayed_scale_update(
             self.amax_history, self.scale, self.amax_rep, self.pending_amax, self.step,
-            get_format(fmt).max, recipe.margin, recipe.interval, recipe.amax_compute_algo,
+            get_format(fmt).max, recipe.margin if margin is None else margin, recipe.interval,
+            recipe.amax_compute_algo,
             recipe.ema_alpha, recipe.percentile, recipe.power_of_two)
         for buf, new in zip((self.amax_history, self.scale, self.scale_inv, self.amax_rep,
                              self.pending_amax), outs):
@@ -239,6 +271,7 @@ class ScalingState(nn.Module):
             self.grad = RoleState(n, device)
         # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
         self.recording = True
+        self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         self.reset()
 
     def reset(self) -> None:

@@ -21,6 +21,7 @@ def _samples():
     s = torch.tensor(2.0)
     return {
         "amax": [(x,), (xb,), (torch.empty(0, 3),)],
+        "amax_percentile": [(x, 99.0), (xb, 100.0), (torch.empty(0, 3), 50.0)],
         "quantize": [(x, s, E4, False, False, 0, 0), (xb, s, E5, True, False, 0, 0),
                      (x.to(torch.float16), s, E4, True, True, 3, 4),
                      (torch.empty(0, 5), s, E4, True, False, 0, 0)],

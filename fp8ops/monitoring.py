@@ -1,0 +1,197 @@
+"""Scaling health you can watch: opt-in, sampled statistics of the FP8 casts of a model.
+
+    mon = fp8ops.monitor(model, every=100)     # sample every 100th training forward (+ backward)
+    ...train...
+    logger.log(fp8ops.stats(model))            # {"blocks.0.attn.qkv.input.underflow_frac": ...}
+
+Per FP8 layer and role (input, weight, grad), at the last sampled cast:
+  amax              max |x| of the tensor cast
+  scale             the per-tensor scale (per-tensor recipes)
+  amax_history_max  max of the amax history (DelayedScaling)
+  saturated_frac    finite elements the cast clamped to the format's max (more than half an
+                    ulp above it: a clamp, not a rounding)
+  underflow_frac    non-zero finite elements the cast flushed to zero
+  nonfinite         inf/NaN elements in the tensor cast
+  nonfinite_casts   casts that met inf/NaN so far (DelayedScaling counts every cast; the others
+                    count the sampled ones)
+  block_scale_log2_min / _max / _spread   range of the block scales, in binades (MXFP8, blockwise)
+With no monitor attached nothing is computed (one `is None` test per cast). On a sampled step
+each cast adds a few elementwise passes over its tensor, all on the device; only stats() reads
+the values back (one host sync per call). raise_on_nonfinite=True checks each sampled cast on
+the host and raises FloatingPointError naming the layer and role.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .formats import get_format
+
+STATS = ("amax", "scale", "amax_history_max", "saturated_frac", "underflow_frac", "nonfinite",
+         "nonfinite_casts", "block_scale_log2_min", "block_scale_log2_max",
+         "block_scale_log2_spread")
+
+
+class Monitor:
+    """Shared by the FP8 layers of one model: the sampling clock and the latest statistics."""
+
+    def __init__(self, every: int = 100, raise_on_nonfinite: bool = False):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.every = every
+        self.raise_on_nonfinite = bool(raise_on_nonfinite)
+        self.forwards = 0  # training-mode forward calls of the monitored model
+        self.latest: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
+        self.sampled_nonfinite: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the current forward (and its backward) is sampled: the 1st, then every
+        `every`-th."""
+        return (self.forwards - 1) % self.every == 0
+
+    def tick(self, module: nn.Module, _args) -> None:
+        if module.training:  # evaluation forwards are not training steps
+            self.forwards += 1
+
+
+def _fractions(x: torch.Tensor, dq: torch.Tensor, raw: torch.Tensor,
+               fmt) -> Dict[str, torch.Tensor]:
+    """Saturation, underflow and non-finite counts of a cast, from its input x, its dequantized
+    result dq and its raw FP8 values. Saturated: cast to the format's max although more than
+    half an ulp of max above it (a clamp, not a rounding); underflow: non-zero, cast to zero."""
+    x = x.float()
+    finite = torch.isfinite(x)
+    n = max(x.numel(), 1)
+    clamped = raw.abs() == fmt.max
+    saturated = finite & clamped & (x.abs() > dq.abs() * (1 + 2.0 ** -(fmt.mbits + 1)))
+    underflow = finite & (x != 0) & (dq == 0)
+    return {"saturated_frac": saturated.sum() / n, "underflow_frac": underflow.sum() / n,
+            "nonfinite": (~finite).sum(), "amax": x.abs().amax() if x.numel() else x.new_zeros(())}
+
+
+def per_tensor_stats(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor):
+    """Statistics of a per-tensor cast: data (float8) = cast(x * scale)."""
+    fmt = get_format(data.dtype)
+    raw = data.float()
+    out = _fractions(x, raw * scale_inv.float(), raw, fmt)
+    out["scale"] = torch.reciprocal(scale_inv.float().reshape(()))
+    return out
+
+
+def _crop(t: torch.Tensor, shape) -> torch.Tensor:
+    return t[tuple(slice(0, n) for n in shape)]
+
+
+def mx_stats(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int):
+    """Statistics of an MXFP8 cast (E8M0 scale bytes per block of block_size along axis). data
+    may be zero-padded beyond x's shape; the padding is not counted."""
+    fmt = get_format(data.dtype)
+    dq = torch.ops.fp8ops.dequantize_mx(data, scales, block_size, axis, torch.float32)
+    dq = _crop(dq, x.shape)
+    out = _fractions(x, dq, _crop(data, x.shape).float(), fmt)
+    exps = scales.to(torch.int32) - 127
+    valid = scales != 0xFF
+    out.update(_log2_range(exps[valid].float()))
+    return out
+
+
+def blockwise_stats(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
+                    block_cols: int):
+    """Statistics of a blockwise cast (float32 scale_inv per block_rows x block_cols tile)."""
+    fmt = get_format(data.dtype)
+    dq = torch.ops.fp8ops.dequantize_blockwise(data, scale_inv, block_rows, block_cols,
+                                                torch.float32)
+    out = _fractions(x, dq, data.float(), fmt)
+    s = scale_inv.float()
+    out.update(_log2_range(torch.log2(s[(s > 0) & torch.isfinite(s)])))
+    return out
+
+
+def _log2_range(v: torch.Tensor) -> Dict[str, torch.Tensor]:
+    if v.numel() == 0:
+        z = torch.zeros((), device=v.device)
+        return {"block_scale_log2_min": z, "block_scale_log2_max": z, "block_scale_log2_spread": z}
+    lo, hi = v.min(), v.max()
+    return {"block_scale_log2_min": lo, "block_scale_log2_max": hi,
+            "block_scale_log2_spread": hi - lo}
+
+
+def sampling(state) -> bool:
+    """Whether a cast under this ScalingState should be observed now: a monitor is attached,
+    this training forward is sampled, and the layer is training (not evaluating)."""
+    attached = getattr(state, "monitor", None)
+    return attached is not None and state.recording and attached[0].sampling
+
+
+def observe(state, role: str, stats: Dict[str, torch.Tensor]) -> None:
+    """Keep the statistics of one sampled cast of `role` under `state` (a ScalingState)."""
+    mon, layer = state.monitor
+    stats = {k: v.detach() for k, v in stats.items()}
+    role_state = getattr(state, role, None) if state.delayed else None
+    if role_state is not None:
+        stats["amax_history_max"] = role_state.amax_history.max()
+        stats["nonfinite_casts"] = role_state.nonfinite_count.clone()
+    else:
+        key = (layer, role)
+        count = mon.sampled_nonfinite.get(key)
+        hit = (stats["nonfinite"] > 0).to(torch.int64)
+        mon.sampled_nonfinite[key] = hit if count is None else count + hit
+        stats["nonfinite_casts"] = mon.sampled_nonfinite[key]
+    mon.latest[(layer, role)] = stats
+    if mon.raise_on_nonfinite and int(stats["nonfinite"]) > 0:
+        raise FloatingPointError(f"fp8ops: {int(stats['nonfinite'])} non-finite values in the "
+                                 f"{role} of FP8 layer '{layer}' (forward {mon.forwards})")
+
+
+def monitor(model: nn.Module, every: int = 100, raise_on_nonfinite: bool = False) -> Monitor:
+    """Attach a Monitor to every FP8 layer of `model` (replacing an earlier one). Returns it;
+    detach with unmonitor(model)."""
+    from .modules import FP8Linear
+
+    unmonitor(model)
+    mon = Monitor(every, raise_on_nonfinite)
+    layers = [(name or type(model).__name__, m) for name, m in model.named_modules()
+              if isinstance(m, FP8Linear)]
+    if not layers:
+        raise ValueError("monitor: the model has no FP8 layers (convert it with "
+                         "fp8ops.convert_to_fp8 first)")
+    for name, layer in layers:
+        layer.fp8_state.monitor = (mon, name)
+    model._fp8ops_monitor_hook = model.register_forward_pre_hook(mon.tick)
+    model._fp8ops_monitor = mon
+    return mon
+
+
+def unmonitor(model: nn.Module) -> None:
+    """Detach the monitor: the casts compute nothing extra again."""
+    hook = getattr(model, "_fp8ops_monitor_hook", None)
+    if hook is not None:
+        hook.remove()
+        del model._fp8ops_monitor_hook, model._fp8ops_monitor
+    for m in model.modules():
+        state = getattr(m, "fp8_state", None)
+        if state is not None and getattr(state, "monitor", None) is not None:
+            state.monitor = None
+
+
+def stats(model: nn.Module, prefix: str = "") -> Dict[str, float]:
+    """The latest sampled statistics of every FP8 layer of `model`, flat:
+    "<layer>.<role>.<stat>" -> float, ready for any logger. Empty until a sampled forward ran.
+    Raises if no monitor is attached."""
+    mon: Optional[Monitor] = getattr(model, "_fp8ops_monitor", None)
+    if mon is None:
+        raise ValueError("stats: no monitor on this model; call fp8ops.monitor(model, every=N) "
+                         "first")
+    keys, values = [], []
+    for (layer, role), s in sorted(mon.latest.items()):
+        for stat in STATS:
+            if stat in s:
+                keys.append(f"{prefix}{layer}.{role}.{stat}")
+                values.append(s[stat].float().reshape(()))
+    if not values:
+        return {}
+    flat = torch.stack([v.to(values[0].device) for v in values]).tolist()  # one sync
+    return dict(zip(keys, flat))

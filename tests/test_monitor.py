@@ -1,0 +1,197 @@
+"""fp8ops.monitor / fp8ops.stats: sampled statistics of the FP8 casts, exact on planted data; the
+recipe options they motivate (grad_margin, amax_percentile); the FP8 state's repr."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fp8ops
+from fp8ops import _emulation
+from fp8ops import monitoring as mon_mod
+
+RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
+           fp8ops.BlockwiseScaling()]
+
+
+def _model(recipe):
+    torch.manual_seed(0)
+    return fp8ops.convert_to_fp8(nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 40)),
+                                 recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_every_layer_and_role_is_reported(recipe):
+    m = _model(recipe)
+    fp8ops.monitor(m, every=1)
+    m(torch.randn(8, 64)).square().mean().backward()
+    s = fp8ops.stats(m)
+    for layer in ("0", "2"):
+        for role in ("input", "weight", "grad"):
+            for stat in ("amax", "saturated_frac", "underflow_frac", "nonfinite", "nonfinite_casts"):
+                assert f"{layer}.{role}.{stat}" in s, (layer, role, stat)
+    per_tensor = isinstance(recipe, (fp8ops.CurrentScaling, fp8ops.DelayedScaling))
+    assert ("0.input.scale" in s) == per_tensor
+    assert ("0.input.block_scale_log2_spread" in s) == (not per_tensor)
+    assert ("0.input.amax_history_max" in s) == isinstance(recipe, fp8ops.DelayedScaling)
+    assert all(isinstance(v, float) for v in s.values())
+
+
+def test_saturation_and_underflow_are_counted_exactly():
+    """DelayedScaling's first cast uses scale 1: |x| > 448 saturates, |x| <= 2^-10 flushes."""
+    layer = fp8ops.FP8Linear(16, 8, recipe=fp8ops.DelayedScaling())
+    m = nn.Sequential(layer)
+    fp8ops.monitor(m, every=1)
+    x = torch.randn(4, 16).clamp(-3, 3)
+    x[0, :3] = torch.tensor([1000.0, -600.0, 449.0])  # 449 rounds to 448: not a clamp
+    x[1, :5] = torch.tensor([1e-10, -2.0 ** -10, 2.0 ** -11, 3e-4, -1e-6])
+    m(x)
+    s = fp8ops.stats(m)
+    assert s["0.input.saturated_frac"] == pytest.approx(2 / 64)
+    assert s["0.input.underflow_frac"] == pytest.approx(5 / 64)
+    assert s["0.input.amax"] == 1000.0
+    assert s["0.input.scale"] == 1.0
+    assert s["0.input.nonfinite"] == 0.0
+
+
+def test_block_scale_spread():
+    m = nn.Sequential(fp8ops.FP8Linear(64, 8, recipe=fp8ops.MXFP8Scaling()))
+    fp8ops.monitor(m, every=1)
+    x = torch.ones(2, 64)
+    x[1] *= 2.0 ** 8  # its two blocks sit 8 binades above the first row's
+    m(x)
+    s = fp8ops.stats(m)
+    assert s["0.input.block_scale_log2_spread"] == 8.0
+
+
+def test_sampling_every_n_forwards():
+    m = _model(fp8ops.CurrentScaling())
+    mon = fp8ops.monitor(m, every=3)
+    amaxes = []
+    for i in range(7):
+        x = torch.full((4, 64), float(i + 1))
+        m(x).sum().backward()
+        amaxes.append(fp8ops.stats(m)["0.input.amax"])
+    # forwards 1, 4 and 7 are sampled: the stats hold the last sampled batch's amax
+    assert amaxes == [1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 7.0]
+    assert mon.forwards == 7
+
+
+def test_nonfinite_is_counted_and_can_raise():
+    m = _model(fp8ops.CurrentScaling())
+    fp8ops.monitor(m, every=1)
+    x = torch.randn(4, 64)
+    x[0, 0] = float("inf")
+    x[1, 1] = float("nan")
+    m(x)
+    s = fp8ops.stats(m)
+    assert s["0.input.nonfinite"] == 2.0 and s["0.input.nonfinite_casts"] == 1.0
+    fp8ops.monitor(m, every=1, raise_on_nonfinite=True)
+    with pytest.raises(FloatingPointError, match=r"input of FP8 layer '0'"):
+        m(x)
+
+
+def test_off_computes_nothing_and_stats_needs_a_monitor(monkeypatch):
+    m = _model(fp8ops.CurrentScaling())
+    with pytest.raises(ValueError, match="no monitor"):
+        fp8ops.stats(m)
+    calls = []
+    monkeypatch.setattr(mon_mod, "observe", lambda *a: calls.append(a))
+    m(torch.randn(4, 64)).sum().backward()
+    assert calls == []
+    fp8ops.monitor(m, every=1)
+    fp8ops.unmonitor(m)
+    m(torch.randn(4, 64)).sum().backward()
+    assert calls == [] and m[0].fp8_state.monitor is None
+    with pytest.raises(ValueError, match="no FP8 layers"):
+        fp8ops.monitor(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="every"):
+        fp8ops.monitor(m, every=0)
+
+
+def test_monitoring_does_not_change_training():
+    a, b = _model(fp8ops.DelayedScaling()), _model(fp8ops.DelayedScaling())
+    fp8ops.monitor(b, every=2)
+    for step in range(4):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        ya, yb = a(x), b(x)
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+        assert torch.equal(ya, yb)
+        assert torch.equal(a[0].weight.grad, b[0].weight.grad)
+
+
+def test_repr_shows_scales_and_amaxes():
+    layer = fp8ops.FP8Linear(8, 4, recipe=fp8ops.DelayedScaling())
+    layer(torch.randn(2, 8) * 10)
+    text = repr(layer.fp8_state)
+    assert "scale=" in text and "pending_amax=" in text and "history=[" in text
+
+
+# ---- recipe options ---------------------------------------------------------------------------
+def test_grad_margin_scales_only_the_gradient():
+    x = torch.randn(16, 32)
+    w = torch.randn(8, 32)
+
+    def grads(recipe):
+        state = fp8ops.ScalingState(recipe)
+        xr = x.clone().requires_grad_()
+        y = fp8ops.linear(xr, w, state=state)
+        y.backward(torch.randn(16, 8, generator=torch.Generator().manual_seed(3)) * 1e-3)
+        return y, xr.grad
+
+    y1, g1 = grads(fp8ops.CurrentScaling())
+    y2, g2 = grads(fp8ops.CurrentScaling(grad_margin=3.0))  # not a power of two
+    assert torch.equal(y1, y2)  # forward casts untouched
+    assert not torch.equal(g1, g2)  # the gradient cast used another scale
+    assert fp8ops.scaling.grad_margin(fp8ops.DelayedScaling(margin=2.0)) == 2.0
+    assert fp8ops.scaling.grad_margin(fp8ops.DelayedScaling(margin=2.0, grad_margin=8.0)) == 8.0
+    with pytest.raises(ValueError, match="grad_margin"):
+        fp8ops.CurrentScaling(grad_margin=0.0)
+
+
+@pytest.mark.parametrize("p", [50.0, 90.0, 99.0, 100.0, 12.5])
+def test_amax_percentile_is_nearest_rank(p):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(int(p * 10)))
+    got = _emulation.amax_percentile(x, p)
+    want = np.percentile(np.abs(x.numpy()), p, method="inverted_cdf")
+    assert got.dtype == torch.float32 and got.item() == want
+
+
+def test_amax_percentile_decimal_rank_and_specials():
+    x = torch.arange(1, 10001, dtype=torch.float32)  # |x| sorted: rank k is value k
+    assert _emulation.amax_percentile(x, 99.99).item() == 9999.0  # not 10000 (float64 rounding)
+    assert _emulation.amax_percentile(-x, 100.0).item() == 10000.0
+    y = x.clone()
+    y[5] = float("nan")
+    assert torch.isnan(_emulation.amax_percentile(y, 50.0))
+    assert _emulation.amax_percentile(torch.empty(0), 99.0).item() == 0.0
+    assert torch.ops.fp8ops.amax_percentile(x, 99.99).item() == 9999.0
+    with pytest.raises(ValueError, match="amax_percentile"):
+        fp8ops.CurrentScaling(amax_percentile=0.0)
+
+
+def test_amax_percentile_lets_outliers_saturate():
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 0] = 1000.0  # one outlier would set the scale alone
+    w = torch.randn(16, 64)
+    m = nn.Sequential(fp8ops.FP8Linear(64, 16, bias=False,
+                                       recipe=fp8ops.CurrentScaling(amax_percentile=99.9)))
+    m[0].weight.data.copy_(w)
+    fp8ops.monitor(m, every=1)
+    m(x)
+    s = fp8ops.stats(m)
+    assert s["0.input.amax"] == 1000.0
+    assert s["0.input.scale"] == pytest.approx(448.0 / _emulation.amax_percentile(x, 99.9).item())
+    assert s["0.input.saturated_frac"] > 0
+
+
+def test_evaluation_forwards_are_not_sampled():
+    m = _model(fp8ops.CurrentScaling())
+    mon = fp8ops.monitor(m, every=1)
+    m(torch.full((4, 64), 2.0)).sum().backward()
+    m.eval()
+    with torch.no_grad():
+        m(torch.full((4, 64), 5.0))
+    m.train()
+    assert mon.forwards == 1
+    assert fp8ops.stats(m)["0.input.amax"] == 2.0
