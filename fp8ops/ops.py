@@ -58,7 +58,12 @@ for _name, _schema in SCHEMAS.items():
 _backend.load_extension()
 for _name in SCHEMAS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
-        _lib.impl(_name, _emulated(_name), "CUDA")
+        if _name == "gemm_mx" and _backend.extension_loaded():
+            # an FP8 GPU with no MX GEMM kernel of ours: bf16 tensor cores, not a float32 matmul
+            from . import _gemm_mx_cuda
+            _lib.impl(_name, torch.no_grad()(_gemm_mx_cuda.gemm_mx), "CUDA")
+        else:
+            _lib.impl(_name, _emulated(_name), "CUDA")
 
 
 # ----------------------------------------------------------------------------------------------

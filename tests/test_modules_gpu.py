@@ -98,3 +98,20 @@ def test_fp8linear_step_in_a_cuda_graph(name):
         torch.cuda.synchronize()
         assert torch.equal(static_out, ref), f"{name}: graph replay output differs from eager"
         assert torch.equal(layer.weight.grad, eager.weight.grad), f"{name}: weight grad differs"
+
+
+def test_mx_gemm_uses_bf16_tensor_cores_and_matches_the_emulation():
+    """On an FP8 GPU the MXFP8 GEMM dequantizes to bf16 (exact for MXFP8 values) and accumulates
+    in float32 on the tensor cores: within float32 accumulation error of the emulation."""
+    from fp8ops import _emulation
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(300, 512, device="cuda", generator=g) * 4
+    b = torch.randn(200, 512, device="cuda", generator=g)
+    qa, sa = torch.ops.fp8ops.quantize_mx(a, torch.float8_e4m3fn, 32, 1, False)
+    qb, sb = torch.ops.fp8ops.quantize_mx(b, torch.float8_e4m3fn, 32, 1, False)
+    out = torch.ops.fp8ops.gemm_mx(qa, sa, qb, sb, None, torch.float32, 32)
+    ref = _emulation.gemm_mx(qa, sa, qb, sb, None, torch.float32, 32)
+    ad = _emulation.dequantize_mx(qa, sa, 32, -1, torch.float32).double()  # exact
+    bd = _emulation.dequantize_mx(qb, sb, 32, -1, torch.float32).double()
+    mag = ad.abs() @ bd.abs().t()
+    assert ((out.double() - ref.double()).abs() <= mag * 2.0 ** -20).all()

@@ -1,0 +1,31 @@
+"""The MXFP8 GEMM on CUDA GPUs without an MX kernel of fp8ops' own (Hopper, Ada): the operands
+are dequantized to bfloat16 and multiplied on the bf16 tensor cores with float32 accumulation
+and output (aten::mm with out_dtype), instead of a float32 matmul.
+
+bfloat16 holds every MXFP8 value exactly (at most 4 significant bits, float32's exponent range)
+down to 2^-126; only products of blocks scaled below that round, by less than 2^-126 each. The
+result matches the emulation's float32 GEMM within float32 accumulation error, as every GEMM of
+fp8ops does (docs/numerics.md)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _emulation
+
+_MM_OUT_DTYPE = [True]  # cleared if this torch has no aten::mm.dtype for CUDA
+
+
+def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+            bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    if not a.is_cuda or not _MM_OUT_DTYPE[0]:
+        return _emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
+    ad = _emulation.dequantize_mx(a, a_scales, block_size, -1, torch.bfloat16)
+    bd = _emulation.dequantize_mx(b, b_scales, block_size, -1, torch.bfloat16)
+    try:
+        acc = torch.mm(ad, bd.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError):  # an older torch: float32 matmul, as the emulation
+        _MM_OUT_DTYPE[0] = False
+        return _emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
+    return _emulation._epilogue(acc, bias, out_dtype)
