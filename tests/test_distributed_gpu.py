@@ -1,0 +1,131 @@
+"""Data-parallel FP8 training on a GPU with NCCL (world size 1, so that one GPU suffices): DDP and
+FSDP2 must train exactly as the same model without them, checkpoints must resume exactly, and
+FSDP2's re-gathered weights must never meet a stale FP8 weight cast. The same model, data and
+loop as the two-process gloo tests (tests/test_distributed.py)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import fp8ops
+from test_distributed import (CKPT_AT, STEPS, _free_port, fp8_states, local_batch, make_model,
+                              make_opt)
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or not dist.is_nccl_available():
+    pytest.skip("needs a CUDA GPU and NCCL", allow_module_level=True)
+
+
+def train(model, opt, steps, start=0, check=None):
+    losses = []
+    for s in range(start, start + steps):
+        x, y = (t.cuda() for t in local_batch(s, 0))
+        loss = F.mse_loss(model(x), y)
+        if check is not None:
+            check()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _entry(rank, worker, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            device_id=torch.device("cuda", 0))
+    try:
+        torch.save(globals()[worker](out_dir), os.path.join(out_dir, "rank0.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(worker):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(worker, _free_port(), out_dir), nprocs=1, join=True)
+        return torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+
+
+def _plain_worker(out_dir):
+    model = make_model().cuda()
+    return {"losses": train(model, make_opt(model), STEPS), "state": fp8_states(model)}
+
+
+def _ddp_worker(out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(make_model().cuda(), device_ids=[0])
+    opt = make_opt(ddp)
+    res = {"losses": train(ddp, opt, STEPS), "state": fp8_states(ddp.module)}
+    ddp = DDP(make_model().cuda(), device_ids=[0])
+    opt = make_opt(ddp)
+    first = train(ddp, opt, CKPT_AT)
+    path = os.path.join(out_dir, "ckpt.pt")
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict()}, path)
+    torch.manual_seed(1234)  # fresh weights: everything must come from the file
+    fresh = DDP(fp8ops.convert_to_fp8(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)),
+        fp8ops.DelayedScaling(amax_history_len=8)).cuda(), device_ids=[0])
+    opt = make_opt(fresh)
+    ckpt = torch.load(path, weights_only=False)
+    fresh.module.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    res["resumed_losses"] = first + train(fresh, opt, STEPS - CKPT_AT, start=CKPT_AT)
+    return res
+
+
+def _fsdp_worker(out_dir):
+    from torch.distributed.fsdp import fully_shard
+    model = make_model().cuda()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    stale = []
+
+    def check_weight_cache():
+        for layer in (model[0], model[2]):
+            st = layer.fp8_state
+            w = layer.weight.full_tensor()
+            data = torch.ops.fp8ops.quantize(w, st.weight.scale, torch.float8_e4m3fn, False)[0]
+            stale.append(not torch.equal(st._weight_cache[1][0].view(torch.uint8),
+                                         data.view(torch.uint8)))
+
+    losses = train(model, make_opt(model), STEPS, check=check_weight_cache)
+    return {"losses": losses, "state": fp8_states(model), "stale": stale}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return run("_plain_worker")
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        va, vb = a[k], b[k]
+        if torch.is_tensor(va):
+            assert torch.equal(va.cpu(), vb.cpu()), k
+        else:
+            assert va == vb, k
+
+
+def test_ddp_on_nccl_trains_exactly_as_without_it(plain):
+    res = run("_ddp_worker")
+    assert res["losses"] == plain["losses"]
+    _same_state(res["state"], plain["state"])
+    assert res["resumed_losses"] == res["losses"]
+
+
+def test_fsdp2_on_nccl_trains_exactly_as_without_it(plain):
+    res = run("_fsdp_worker")
+    assert not any(res["stale"]), "a forward used an FP8 weight cast from stale weights"
+    assert res["losses"] == plain["losses"]
+    _same_state(res["state"], plain["state"])
