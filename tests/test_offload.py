@@ -1,6 +1,6 @@
 """CPUOffloadOptimizer on the CPU (the device is the host): bit for bit the same training as the
 torch optimizer on the same converted model, FP8 weights kept only in FP8, clipping, the
-non-finite skip, checkpoints, LR schedulers and the errors."""
+non-finite skip, checkpoints, LR schedulers, the errors, and the exact device byte count."""
 import copy
 import io
 import math
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fp8ops
+from fp8ops.memory import device_state_bytes, fp8_weight_bytes
 
 RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(amax_history_len=4),
            fp8ops.MXFP8Scaling(), fp8ops.BlockwiseScaling()]
@@ -398,3 +399,36 @@ def test_other_errors():
     with pytest.raises(TypeError, match="unexpected keyword"):
         fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, nonsense=1)
     assert model.up.weight.untyped_storage().nbytes() > 4  # a failed build changes nothing
+
+
+# -- device bytes ------------------------------------------------------------------------------
+def _expected_payload(recipe, n, k):
+    if isinstance(recipe, fp8ops.MXFP8Scaling):
+        return 2 * n * k + 2 * n * k // 32  # row and column copies, one E8M0 byte per 32
+    if isinstance(recipe, fp8ops.BlockwiseScaling):
+        return 2 * n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)  # fp32 per 128x128
+    return 2 * n * k + 4  # data, transposed data, scale_inv
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_device_bytes_per_fp8_parameter(recipe):
+    n, k = 256, 128
+    offloaded = fp8ops.FP8Linear(k, n, recipe=recipe)
+    plain = copy.deepcopy(offloaded)
+    opt = fp8ops.CPUOffloadOptimizer(offloaded.parameters(), torch.optim.AdamW)
+    ref_opt = torch.optim.AdamW(plain.parameters(), fused=True)
+    for _ in range(2):  # steady state: the count just before the second step
+        for layer, o in ((offloaded, opt), (plain, ref_opt)):
+            layer(torch.randn(8, k)).sum().backward()
+        before = fp8_weight_bytes(offloaded), fp8_weight_bytes(plain)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    payload = _expected_payload(recipe, n, k)
+    assert before[0] == 4 + payload  # placeholder + the FP8 cast, no gradient
+    assert before[0] / (n * k) <= 2.5
+    assert before[1] == 4 * n * k * 2 + payload  # float32 weight and gradient + the FP8 cast
+    state = device_state_bytes(offloaded, opt)
+    assert state["optimizer_state"] == 0 and state["gradients"] == 0
+    assert device_state_bytes(plain, ref_opt)["optimizer_state"] == 2 * 4 * (n * k + n) + 2 * 4
