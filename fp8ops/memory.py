@@ -64,9 +64,13 @@ def device_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
 
     seen: set = set()
     params = list(model.parameters())
+    host_grads = set()
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        # on a CPU-only machine a float32 parameter's gradient is its master's: host memory
+        host_grads = {id(e.master.grad) for e in optimizer._params if e.master.grad is not None}
     counts = {
         "parameters": _count(params, seen),
-        "gradients": _count((p.grad for p in params), seen),
+        "gradients": _count((p.grad for p in params if id(p.grad) not in host_grads), seen),
         "fp8_weights": _count((t for m in model.modules() if isinstance(m, FP8Linear)
                                for t in fp8_weight_tensors(m)), seen),
         "buffers": _count(model.buffers(), seen),
