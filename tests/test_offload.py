@@ -436,3 +436,18 @@ def test_device_bytes_per_fp8_parameter(recipe):
     assert state[0]["total"] == before[0] + 4 * n + state[0]["buffers"]
     assert state[1]["gradients"] == 4 * (n * k + n)
     assert state[1]["optimizer_state"] == 2 * 4 * (n * k + n) + 2 * 4  # exp_avg(_sq), steps
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+def test_torch_compile_fullgraph_trains_the_same(recipe):
+    """Compiled, the layer casts the host master each call (no weight cache under compile)."""
+    ref = _model(recipe)
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    off_opt = fp8ops.CPUOffloadOptimizer(off.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref_losses, _ = _train(torch.compile(ref, backend="aot_eager", fullgraph=True), ref_opt,
+                           _batches(23, 3, 1))
+    off_losses, _ = _train(torch.compile(off, backend="aot_eager", fullgraph=True), off_opt,
+                           _batches(23, 3, 1))
+    assert off_losses == ref_losses
+    _assert_same(_weights(off), _weights(ref))
