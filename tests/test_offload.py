@@ -451,3 +451,34 @@ def test_torch_compile_fullgraph_trains_the_same(recipe):
                            _batches(23, 3, 1))
     assert off_losses == ref_losses
     _assert_same(_weights(off), _weights(ref))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, idx):
+        x = self.net.emb(idx)
+        mlp = lambda x: self.net.down(torch.relu(self.net.up(self.net.ln(x))))  # noqa: E731
+        return self.net.head(x + torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+def test_activation_checkpointing_and_inference_mode_as_without_offload(recipe):
+    ref = Checkpointed(_model(recipe))
+    off = copy.deepcopy(ref)
+    probe = _batches(24, 1, 1)[0][0]
+    out = {}
+    for name, model, opt in (
+            ("ref", ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)),
+            ("off", off, fp8ops.CPUOffloadOptimizer(off.parameters(), torch.optim.AdamW,
+                                                    lr=1e-2))):
+        losses = []
+        for micro in _batches(25, 3, 2):
+            with torch.inference_mode():  # a cast under inference mode, then training
+                losses.append(model(probe).pow(2).mean().item())
+            losses += _train(model, opt, [micro])[0]
+        out[name] = losses
+    assert out["off"] == out["ref"]
+    _assert_same(_weights(off), _weights(ref))
