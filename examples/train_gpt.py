@@ -170,7 +170,9 @@ def run(name, args, train_tokens, val_batches, device):
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if args.offload:
-        opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, **hyper)
+        # the non-finite check reuses the norm of the clipping below: free
+        opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW,
+                                         skip_nonfinite=True, **hyper)
     else:
         opt = torch.optim.AdamW(model.parameters(), **hyper)
     batches = Batches(train_tokens, args.batch_size, args.seq_len, seed=args.seed + 1)

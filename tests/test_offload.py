@@ -197,7 +197,8 @@ def test_nonfinite_gradient_skips_the_step(clip):
     ref = _model(RECIPES[0])
     off = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    off_opt = fp8ops.CPUOffloadOptimizer(off.parameters(), torch.optim.AdamW, lr=1e-2)
+    off_opt = fp8ops.CPUOffloadOptimizer(off.parameters(), torch.optim.AdamW, lr=1e-2,
+                                         skip_nonfinite=True)
     _train(ref, ref_opt, _batches(8, 2, 1))
     _train(off, off_opt, _batches(8, 2, 1))
     weights, state = {k: v.clone() for k, v in _weights(off).items()}, _snapshot(off_opt)
@@ -223,10 +224,9 @@ def test_nonfinite_gradient_skips_the_step(clip):
     _assert_same(_weights(off), _weights(ref))
 
 
-def test_skip_nonfinite_false_steps_anyway():
+def test_by_default_a_nonfinite_gradient_is_stepped_as_torch_does():
     model = _model(RECIPES[0])
-    opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
-                                     skip_nonfinite=False)
+    opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     model.emb.register_forward_hook(lambda m, i, out: out * math.inf)
     model(_batches(9, 1, 1)[0][0]).pow(2).mean().backward()
     opt.step()
