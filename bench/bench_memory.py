@@ -9,7 +9,7 @@
    whole backward included), in steady state (second step).
 2. The host optimizer step in parameters per second: CPUOffloadOptimizer(AdamW).step() (the
    gradients already delivered by backward) against torch.optim.AdamW(fused=True) on host
-   tensors of the same sizes, median of timed steps.
+   tensors of the same sizes, median of timed steps taken in turns.
 3. GPU only: peak device memory (torch.cuda.max_memory_allocated) of a GPT of about 1B
    parameters, bf16 autocast baseline vs FP8Linear vs FP8Linear + offload, and the step time of
    offload vs no offload (median of timed steps, each ending in a synchronize).
@@ -90,13 +90,35 @@ def gpt_bytes(d_model, n_layer, device):
 # -- 2. host optimizer step --------------------------------------------------------------------
 def host_step_rate(n_params, tensor_numel, steps, device):
     """params/s of torch AdamW(fused=True) on host tensors and of CPUOffloadOptimizer's step for
-    parameters on `device` (skip_nonfinite on and off)."""
+    parameters on `device` (skip_nonfinite off; on, with its own norm or after clip_grad_norm_).
+    The steps take turns, so that a change in the machine's load falls on all of them alike."""
     sizes = [tensor_numel] * max(1, n_params // tensor_numel)
     total = sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    host = [torch.randn(s, generator=gen) for s in sizes]
+    for p in host:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    runs = {"torch.optim.AdamW(fused=True), host tensors": (_adamw(host, False), None)}
+    for skip, clip in ((True, False), (True, True), (False, False)):
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in sizes]
+        opt = fp8ops.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-4, weight_decay=0.1,
+                                         skip_nonfinite=skip)
+        scale = [torch.randn(s, generator=gen).to(device) * 1e-3 for s in sizes]
 
-    def timed(opt, before=None):
-        times = []
-        for i in range(steps + 1):
+        def backward(opt=opt, params=params, scale=scale, clip=clip):
+            # gradients arrive as in training (hooks, copies to the host)
+            opt.zero_grad()
+            sum((p * c).sum() for p, c in zip(params, scale)).backward()
+            if clip:  # not timed: the step reuses its norm for the check
+                opt.clip_grad_norm_(1e9)
+
+        label = f"CPUOffloadOptimizer(AdamW).step(), params on {device.type}, " + (
+            "skip_nonfinite=False" if not skip else
+            "skip_nonfinite=True, after clip_grad_norm_" if clip else "skip_nonfinite=True")
+        runs[label] = (opt, backward)
+    times = {label: [] for label in runs}
+    for i in range(steps + 1):
+        for label, (opt, before) in runs.items():
             if before is not None:
                 before()
             if device.type == "cuda":
@@ -106,30 +128,8 @@ def host_step_rate(n_params, tensor_numel, steps, device):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i:  # the first step allocates the state
-                times.append(time.perf_counter() - t0)
-        return total / statistics.median(times)
-
-    gen = torch.Generator().manual_seed(0)
-    host = [torch.randn(s, generator=gen) for s in sizes]
-    for p in host:
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-    rates = {"torch.optim.AdamW(fused=True), host tensors": timed(_adamw(host, False))}
-    del host
-    for skip in (True, False):
-        params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in sizes]
-        opt = fp8ops.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-4, weight_decay=0.1,
-                                         skip_nonfinite=skip)
-        scale = [torch.randn(s, generator=gen).to(device) * 1e-3 for s in sizes]
-
-        def backward():  # gradients arrive as in training (hooks, copies to the host)
-            opt.zero_grad()
-            sum((p * c).sum() for p, c in zip(params, scale)).backward()
-
-        label = f"CPUOffloadOptimizer(AdamW).step(), params on {device.type}, " \
-                f"skip_nonfinite={skip}"
-        rates[label] = timed(opt, backward)
-        del params, opt, scale
-    return total, rates
+                times[label].append(time.perf_counter() - t0)
+    return total, {label: total / statistics.median(t) for label, t in times.items()}
 
 
 # -- 3. GPU: peak memory and step time of a ~1B GPT --------------------------------------------
