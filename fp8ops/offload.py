@@ -73,7 +73,7 @@ class CPUOffloadOptimizer(Optimizer):
       finite: a gradient holds inf or NaN (or is so large that the norm overflows float32). The
       norm of clip_grad_norm_ since the last step is reused (the check is then free), else one
       pass computes it. `last_step_skipped` and `skipped_steps` record it. Off by default, as in
-      torch optimizers: that pass costs a third of a fused AdamW step on a CPU.
+      torch optimizers: that pass cost a tenth to a third of a fused AdamW step on a CPU.
     On a CPU-only machine the device is the host: float32 parameters that no FP8Linear reads are
     stepped in place, and the results are those of optimizer_class on the same model.
     """
