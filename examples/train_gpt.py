@@ -3,6 +3,7 @@ fp8ops recipe, and compare: final train / validation loss, gap to the baseline, 
 
     python examples/train_gpt.py                    # CPU default (emulation backend), a few minutes
     python examples/train_gpt.py --size gpu         # larger model and longer run on a CUDA GPU
+    python examples/train_gpt.py --offload          # fp8ops.CPUOffloadOptimizer(AdamW) instead
 
 Every run starts from the same seed, sees the same batches in the same order and is evaluated on
 the same fixed validation batches. The FP8 runs convert the transformer blocks' nn.Linear layers
@@ -10,6 +11,11 @@ the same fixed validation batches. The FP8 runs convert the transformer blocks' 
 embeddings and the LM head stay in high precision (filter_fn), as do LayerNorm, softmax-attention
 and the loss. Baseline precision: float32 on CPU; on CUDA every run (the baseline and the
 non-FP8 ops of the FP8 runs) runs under bfloat16 autocast.
+Optimizer: AdamW, or with --offload fp8ops.CPUOffloadOptimizer(AdamW): FP32 masters and AdamW
+state on the host, the FP8 layers' weights on the device in FP8 only. The "device state" column
+counts exactly (fp8ops.memory.device_state_bytes, just before the last optimizer step) the device
+bytes of the parameters, gradients, cached FP8 weights, FP8 scaling state and optimizer state; on
+a CPU-only machine, what a GPU would hold.
 Outputs in --out-dir: results.md (the table), loss_curves.png, scaling.png (each FP8 layer's scale
 and gradient underflow over the run, from fp8ops.monitor), results.json.
 """
@@ -31,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8ops  # noqa: E402
+from fp8ops.memory import device_state_bytes  # noqa: E402
 from data import VOCAB_SIZE, Batches, fixed_batches, load_tokens  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 import scaling_report  # noqa: E402
@@ -74,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--monitor-every", type=int, default=10,
                    help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
+    p.add_argument("--offload", action="store_true",
+                   help="fp8ops.CPUOffloadOptimizer(AdamW): masters and optimizer state on the host")
     args = p.parse_args(argv)
     for k, v in SIZES[args.size].items():
         if getattr(args, k) is None:
@@ -169,7 +178,13 @@ def run(name, args, train_tokens, val_batches, device):
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision)
         if args.monitor_every:
             fp8ops.monitor(model, every=args.monitor_every)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.offload:
+        # the non-finite check reuses the norm of the clipping below: free
+        opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW,
+                                         skip_nonfinite=True, **hyper)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **hyper)
     batches = Batches(train_tokens, args.batch_size, args.seq_len, seed=args.seed + 1)
     if device.type == "cuda":
         def autocast():
@@ -193,7 +208,12 @@ def run(name, args, train_tokens, val_batches, device):
             with autocast():
                 loss = model(x, y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.offload:
+                opt.clip_grad_norm_(1.0)  # the gradients are on the host
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step == args.steps - 1:  # gradients and optimizer state all there
+                state_bytes = device_state_bytes(model, opt)["total"]
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss_val = loss.item()  # syncs, so the timing is the step's
@@ -212,7 +232,8 @@ def run(name, args, train_tokens, val_batches, device):
                 final_train_loss=sum(train_curve[-tail:]) / tail,
                 final_val_loss=val_curve[-1][1], tokens_per_s=args.steps * args.batch_size
                 * args.seq_len / train_time, peak_mem_mib=mem.peak_mib, mem_method=mem.method,
-                train_curve=train_curve, val_curve=val_curve, scaling_curve=scaling_curve)
+                device_state_mib=state_bytes / 2**20, train_curve=train_curve,
+                val_curve=val_curve, scaling_curve=scaling_curve)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,18 +243,21 @@ def table(results, args, device):
     base = next((r for r in results if r["name"] == "baseline"), None)
     mem_col = "peak mem (MiB, " + results[0]["mem_method"] + ")"
     rows = ["| recipe | final train loss | final val loss | val gap vs baseline | tokens/s | "
-            f"{mem_col} |", "|---|---:|---:|---:|---:|---:|"]
+            f"{mem_col} | device state (MiB) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         gap = ("-" if base is None or r is base else
                f"{100 * (r['final_val_loss'] - base['final_val_loss']) / base['final_val_loss']:+.2f}%")
         r["val_gap_pct"] = None if gap == "-" else float(gap.rstrip("%"))
         rows.append(f"| {r['name']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | "
-                    f"{gap} | {r['tokens_per_s']:.0f} | {r['peak_mem_mib']:.1f} |")
+                    f"{gap} | {r['tokens_per_s']:.0f} | {r['peak_mem_mib']:.1f} | "
+                    f"{r['device_state_mib']:.2f} |")
     backend = fp8ops.backend(device)
     head = (f"GPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} "
             f"seq_len={args.seq_len} batch={args.batch_size} steps={args.steps} lr={args.lr} "
             f"seed={args.seed}; device={device} ({'bf16 autocast' if device.type == 'cuda' else 'float32'}"
-            f" baseline); fp8ops backend={backend} ({backend.reason}); FP8: blocks' Linears only "
+            f" baseline); optimizer="
+            f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; fp8ops backend="
+            f"{backend} ({backend.reason}); FP8: blocks' Linears only "
             f"(embeddings and LM head in high precision); final train loss = mean of the last "
             f"{max(1, min(20, args.steps // 10))} steps")
     return head + "\n\n" + "\n".join(rows) + "\n"

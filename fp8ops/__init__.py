@@ -9,6 +9,7 @@ from .formats import E4M3, E5M2, FP8Format
 from .functional import linear
 from .modules import FP8Linear, convert_from_fp8, convert_to_fp8, plain_state_dict
 from .monitoring import monitor, stats, unmonitor
+from .offload import CPUOffloadOptimizer
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState)
 from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,
@@ -19,6 +20,6 @@ __all__ = [
     "E4M3", "E5M2", "FP8Format", "quantize", "dequantize", "quantize_mx", "quantize_blockwise",
     "amax", "gemm", "linear", "DelayedScaling", "CurrentScaling", "MXFP8Scaling",
     "BlockwiseScaling", "ScalingState", "FP8Linear", "convert_to_fp8", "convert_from_fp8",
-    "plain_state_dict", "backend", "Float8Tensor", "MXTensor", "BlockwiseTensor", "monitor",
-    "stats", "unmonitor",
+    "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor", "MXTensor",
+    "BlockwiseTensor", "monitor", "stats", "unmonitor",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -13,6 +14,21 @@ from .scaling import ScalingState, check_recipe
 
 logger = logging.getLogger(__name__)
 
+# every live FP8Linear, so that an optimizer given only parameters can find the layers that
+# read a weight (CPUOffloadOptimizer)
+_LAYERS: "weakref.WeakSet[FP8Linear]" = weakref.WeakSet()
+
+
+def layers_by_weight(params) -> dict:
+    """{id(param): [the FP8Linear layers whose weight is param]} for the given parameters."""
+    wanted = {id(p) for p in params}
+    found: dict = {}
+    for layer in list(_LAYERS):
+        w = layer._parameters.get("weight")
+        if w is not None and id(w) in wanted:
+            found.setdefault(id(w), []).append(layer)
+    return found
+
 
 class FP8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Parameters, initialization and state_dict keys
@@ -23,6 +39,11 @@ class FP8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = check_recipe(recipe)
         self.fp8_state = ScalingState(self.recipe, device=self.weight.device)
+        _LAYERS.add(self)
+
+    def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
+        super().__setstate__(state)
+        _LAYERS.add(self)
 
     def reset_parameters(self) -> None:
         """nn.Linear's init, and a fresh FP8 state (meta init: to_empty() then this)."""
@@ -45,6 +66,13 @@ class FP8Linear(nn.Linear):
         new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
         return new.train(mod.training)  # a model converted in eval mode stays in eval mode
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        host = self.fp8_state.host_weight
+        if host is not None and prefix + "weight" in destination:
+            # offloaded: the parameter is a placeholder, the weight is the host master
+            destination[prefix + "weight"] = host.state_value()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_prefix = prefix + "fp8_state."
         if prefix + "weight" in state_dict and not any(k.startswith(state_prefix)
@@ -55,7 +83,29 @@ class FP8Linear(nn.Linear):
                 state_dict[state_prefix + key] = value
             logger.info("fp8ops: %s has no FP8 state in the checkpoint (a plain nn.Linear "
                         "one?); its FP8 state starts fresh", prefix.rstrip(".") or "FP8Linear")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        host = self.fp8_state.host_weight
+        if host is not None and prefix + "weight" in state_dict:
+            self._load_offloaded_weight(state_dict, prefix, host, *args, **kwargs)
+        else:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _load_offloaded_weight(self, state_dict, prefix, host, local_metadata, strict,
+                               missing_keys, unexpected_keys, error_msgs) -> None:
+        """Load into the host master; the placeholder parameter takes no values."""
+        value = state_dict.pop(prefix + "weight")
+        if tuple(value.shape) != tuple(self.weight.shape):
+            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
+                              f"{tuple(value.shape)} from checkpoint, the shape in current "
+                              f"model is {tuple(self.weight.shape)}.")
+        else:
+            host.load_(value)
+        weight = self._parameters["weight"]
+        self._parameters["weight"] = None  # neither missing nor unexpected: loaded above
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            self._parameters["weight"] = weight
 
     def _use_recipe(self, recipe) -> None:
         """Switch to `recipe` with a fresh FP8 state; nothing changes if it is the current one
@@ -63,8 +113,10 @@ class FP8Linear(nn.Linear):
         same = (recipe == self.recipe and getattr(recipe, "process_group", None)
                 is getattr(self.recipe, "process_group", None))
         if not same:
+            host = self.fp8_state.host_weight
             self.recipe = recipe
             self.fp8_state = ScalingState(recipe, device=self.weight.device)
+            self.fp8_state.host_weight = host
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
@@ -104,6 +156,10 @@ def convert_from_fp8(module: nn.Module) -> nn.Module:
     its weight and bias Parameters (so the same device and dtype), for export and inference. The
     FP8 state is dropped."""
     def plain(mod: FP8Linear) -> nn.Linear:
+        if mod.fp8_state.host_weight is not None:
+            raise ValueError("convert_from_fp8: this FP8Linear's weight is owned by a "
+                             "CPUOffloadOptimizer (only its FP8 copy is on the device); take "
+                             "the weights from model.state_dict() instead")
         new = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
                         device="meta")
         new.weight = mod.weight

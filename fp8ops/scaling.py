@@ -272,6 +272,8 @@ class ScalingState(nn.Module):
         # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
         self.recording = True
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
+        # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
+        self.host_weight = None
         self.reset()
 
     def reset(self) -> None:
@@ -297,11 +299,19 @@ class ScalingState(nn.Module):
     def cached_weight(self, weight: torch.Tensor, cast: weight_cache.Cast, live: bool = False):
         """The FP8 weight, cast once per weight version and optimizer step (weight_cache.lookup).
         live: this forward steps delayed scaling (training mode, not a checkpoint recompute).
-        Under torch.compile there is no version: cast each call."""
+        Under torch.compile there is no version: cast each call. With a host_weight the
+        parameter is a placeholder and every cast reads the host master's values."""
+        if self.host_weight is not None:
+            cast = _reading(self.host_weight, cast)
         if torch.compiler.is_compiling():
             return cast(weight, live, None)[0]
         self._weight_cache, payload = weight_cache.lookup(self._weight_cache, weight, cast, live)
         return payload
+
+    def weight_values_changed(self) -> None:
+        """The weight's values changed outside an optimizer step (a checkpoint loaded into the
+        host master): the next forward recasts, with the scale of a cast it would have reused."""
+        self._weight_cache = weight_cache.restored(weight_cache.saved(self._weight_cache))
 
     def get_extra_state(self):
         extra = {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
@@ -328,6 +338,7 @@ class ScalingState(nn.Module):
         return state
 
     def __setstate__(self, state):
+        state.setdefault("host_weight", None)  # older pickles have none
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._weight_cache = weight_cache.restored(None if entry is None else entry.scale)
@@ -346,6 +357,13 @@ class ScalingState(nn.Module):
 
     def extra_repr(self) -> str:
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
+
+
+def _reading(host, cast: weight_cache.Cast) -> weight_cache.Cast:
+    """cast, applied to the host master's values instead of the (placeholder) parameter."""
+    def from_host(weight, step, scale):
+        return cast(host.device_values(), step, scale)
+    return from_host
 
 
 def recipe_formats(recipe):

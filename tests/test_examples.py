@@ -35,3 +35,27 @@ def test_train_gpt_tiny(tmp_path):
         # the FP8 runs start from the same weights and data as the baseline: first losses agree
         # to FP8 noise (float32 cross-entropy of a byte model at init is ~ln 256 = 5.5)
         assert abs(r["train_curve"][0] - results[0]["train_curve"][0]) < 0.05
+
+
+def _run_demo(out, *extra):
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--size", "tiny",
+           "--steps", "3", "--eval-every", "3", "--recipes", "baseline,delayed", "--out-dir",
+           str(out), "--no-progress", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return (out / "results.md").read_text(), json.loads((out / "results.json").read_text())
+
+
+def test_train_gpt_offload_tiny(tmp_path):
+    plain_md, plain = _run_demo(tmp_path / "plain")
+    off_md, off = _run_demo(tmp_path / "offload", "--offload")
+    assert "optimizer=CPUOffloadOptimizer(AdamW)" in off_md and "optimizer=AdamW" in plain_md
+    assert "device state (MiB)" in off_md
+    for p, o in zip(plain["results"], off["results"]):
+        assert o["train_curve"][0] == p["train_curve"][0]  # same model and data
+        # the same training (the host step is AdamW's fused kernel, the plain run's is not)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(o["train_curve"], p["train_curve"]))
+        # float32 master + gradient + AdamW state (16 bytes per parameter) against 4 bytes for
+        # the other parameters and 2 for the FP8 weights
+        assert o["device_state_mib"] < 0.3 * p["device_state_mib"], (o["name"], o, p)

@@ -1,0 +1,172 @@
+"""One parameter of a CPUOffloadOptimizer: its FP32 master on the host, the gradient accumulated
+there, and the copies between the device and the host.
+
+Three kinds of parameter:
+  shared  a float32 parameter on the CPU that no FP8Linear reads: the device is the host, so the
+          host optimizer steps the parameter itself (no copy, no hook);
+  copy    any other parameter that is not an FP8Linear weight (norms, embeddings, biases): an
+          FP32 master on the host, the device keeps the parameter in its own dtype and gets the
+          new values after each step;
+  fp8     an FP8Linear weight: the FP32 master on the host is its only high-precision copy; the
+          device parameter is a placeholder and the layers cast the master once per step
+          (host_weight.HostWeight).
+Gradients of copy and fp8 parameters go to the host as soon as backward produces each one (a
+post-accumulate-grad hook; on CUDA a copy on a side stream, overlapped with the rest of backward)
+and are accumulated there in FP32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .host_weight import HostWeight, placeholder
+
+_F32 = torch.float32
+
+
+def _pinned_empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+class OffloadedParam:
+    def __init__(self, param: torch.Tensor, name: str, layers: list, offload_gradients: bool,
+                 stream: Optional["torch.cuda.Stream"]):
+        self.param, self.name, self.layers = param, name, layers
+        self.kind = ("fp8" if layers else
+                     "shared" if param.device.type == "cpu" and param.dtype == _F32 else "copy")
+        self.stream = stream  # CUDA parameters: the side stream of the copies
+        # offload_gradients=False keeps a copy parameter's gradient on the device (accumulated
+        # there in its dtype) and copies the whole of it at each hook; fp8 ones always move
+        self.accumulate = self.kind == "fp8" or offload_gradients
+        self.master = param if self.kind == "shared" else self._make_master()
+        self.staging: Optional[torch.Tensor] = None  # pinned landing buffer of a CUDA gradient
+        self.event: Optional["torch.cuda.Event"] = None  # its copy, not yet added to the master
+        self.version = param._version
+
+    @property
+    def lossy(self) -> bool:
+        """The model's copy of the weight (its state_dict) is rounded: the master must be saved."""
+        return self.kind != "shared" and self.param.dtype != _F32
+
+    def _make_master(self) -> torch.Tensor:
+        p = self.param.detach()
+        if p.device.type == "cuda":
+            return _pinned_empty(p.shape, _F32).copy_(p)
+        if self.kind == "fp8" and p.dtype == _F32:
+            # the device is the host: the master takes over the parameter's storage (no copy)
+            return torch.empty(0, dtype=_F32).set_(p)
+        return p.to(_F32, copy=True)
+
+    def install(self) -> None:
+        """Make the model use the host copy: hooks, and for fp8 the placeholder parameter."""
+        param = self.param
+        if self.kind == "fp8":
+            host = HostWeight(self.master, param.device, param.dtype)
+            for layer in self.layers:
+                # a cast made before now is remade from the master, with its scale, unstepped
+                layer.fp8_state.weight_values_changed()
+            with torch.no_grad():
+                param.data = placeholder(param)
+            for layer in self.layers:
+                layer.fp8_state.host_weight = host
+        if self.kind != "shared" and param.requires_grad:
+            param.register_post_accumulate_grad_hook(self._on_grad)
+        if self.kind != "shared" and param.grad is not None:  # from a backward before now
+            self._on_grad(param)
+
+    # -- gradients ---------------------------------------------------------------------------
+    def check_grad(self, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(f"CPUOffloadOptimizer: {self.name} got a sparse gradient; only "
+                               f"dense gradients are supported (nn.Embedding(sparse=False))")
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        self.check_grad(grad)
+        if self.accumulate:
+            param.grad = None  # the device keeps no gradient
+        if grad.device.type == "cpu":
+            self._add(grad, owned=self.accumulate)
+            return
+        self._fold()  # the previous micro-batch's copy is long done: add it before reusing
+        if self.staging is None:
+            self.staging = _pinned_empty(grad.shape, grad.dtype)
+        self.stream.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(self.stream):
+            self.staging.copy_(grad, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+        grad.record_stream(self.stream)  # freed on the device once the copy has run
+
+    def _add(self, grad: torch.Tensor, owned: bool) -> None:
+        """Accumulate (copy parameters that keep their device gradient: replace) in FP32."""
+        master = self.master
+        if master.grad is None or not self.accumulate:
+            steal = owned and grad.dtype == _F32 and grad.is_contiguous()
+            master.grad = grad if steal else grad.to(_F32, memory_format=torch.contiguous_format,
+                                                     copy=True)
+        else:
+            master.grad.add_(grad)
+
+    def _fold(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+            self._add(self.staging, owned=False)
+
+    def gather(self) -> None:
+        """The gradient on the host, complete, before the step or the clipping."""
+        if self.kind == "shared":
+            if self.param.grad is not None:
+                self.check_grad(self.param.grad)
+            return
+        if self.accumulate and self.param.grad is not None:
+            self._on_grad(self.param)  # a gradient that no hook saw (requires_grad set later)
+        self._fold()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.event = None  # a copy in flight lands in staging and is dropped
+        for t in (self.param,) if self.kind == "shared" else (self.master, self.param):
+            if t.grad is not None:
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.zero_()
+
+    # -- weights -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Before a step: a copy parameter changed on the device since the last step (a model
+        checkpoint loaded, an in-place edit) becomes the master, unless it equals the master
+        rounded to its dtype (the exact master loaded by the optimizer is kept then)."""
+        if self.kind != "copy" or self.param._version == self.version:
+            return
+        param = self.param
+        if not torch.equal(param, self.master.to(param.device, param.dtype)):
+            if self.stream is not None:
+                self.stream.synchronize()  # the last step's copy may still read the master
+            self.master.copy_(param)
+        self.version = param._version
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """After a step: a copy parameter's device values from the new master (fp8 ones are cast
+        from the master by the next forward; shared ones are the master)."""
+        if self.kind != "copy":
+            return
+        if self.stream is None:
+            self.param.copy_(self.master)
+        else:
+            with torch.cuda.stream(self.stream):
+                self.param.copy_(self.master, non_blocking=True)
+        self.version = self.param._version
+
+    @torch.no_grad()
+    def load_master(self, value: torch.Tensor) -> None:
+        """The exact FP32 master from an optimizer checkpoint."""
+        self.master.copy_(value)
+        if self.kind == "copy":
+            self.push()
+        for layer in self.layers:
+            layer.fp8_state.weight_values_changed()
