@@ -165,7 +165,8 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
 
     w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight, live)
     if monitoring.sampling(state):
-        monitoring.observe(state, "weight", monitoring.per_tensor_stats(weight, w_data, w_scale_inv))
+        monitoring.observe(state, "weight", monitoring.per_tensor_stats(
+            monitoring.weight_values(state, weight), w_data, w_scale_inv))
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
                                  recipe.margin)
     if recipe.grad_rounding == "stochastic" and state is None:
@@ -194,7 +195,8 @@ class MXLinear(torch.autograd.Function):
         ctx.sampled, ctx.state = monitoring.sampling(state), state
         if ctx.sampled:
             monitoring.observe(state, "input", monitoring.mx_stats(x2, x_data, x_scales, bs, 1))
-            monitoring.observe(state, "weight", monitoring.mx_stats(weight, *w_row, bs, 1))
+            monitoring.observe(state, "weight", monitoring.mx_stats(
+                monitoring.weight_values(state, weight), *w_row, bs, 1))
         bias_p = None if bias is None else _pad(bias, 0, bs)
         y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, x2.dtype, bs)[:, :N]
         xc_data, xc_scales = _ops.quantize_mx(xp, fwd.dtype, bs, 0, rceil)  # blocked along M
@@ -254,8 +256,9 @@ class BlockwiseLinear(torch.autograd.Function):
         if ctx.sampled:
             monitoring.observe(state, "input",
                                monitoring.blockwise_stats(x2, x_data, x_scale_inv, 1, 128))
+            w_values = monitoring.weight_values(state, weight)
             monitoring.observe(state, "weight",
-                            monitoring.blockwise_stats(weight, w_data, w_scale_inv, 128, 128))
+                               monitoring.blockwise_stats(w_values, w_data, w_scale_inv, 128, 128))
         y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
         xt_data, xt_scale_inv = _ops.quantize_blockwise(x2.t(), fwd.dtype, 1, 128, p2)
         ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)

@@ -119,6 +119,13 @@ def _log2_range(v: torch.Tensor) -> Dict[str, torch.Tensor]:
             "block_scale_log2_spread": hi - lo}
 
 
+def weight_values(state, weight: torch.Tensor) -> torch.Tensor:
+    """The weight's values: under a CPUOffloadOptimizer the parameter is a placeholder and the
+    values are the host master's (a transient device copy, on sampled steps only)."""
+    host = getattr(state, "host_weight", None)
+    return weight if host is None else host.device_values()
+
+
 def sampling(state) -> bool:
     """Whether a cast under this ScalingState should be observed now: a monitor is attached,
     this training forward is sampled, and the layer is training (not evaluating)."""

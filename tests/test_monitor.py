@@ -195,3 +195,18 @@ def test_evaluation_forwards_are_not_sampled():
     m.train()
     assert mon.forwards == 1
     assert fp8ops.stats(m)["0.input.amax"] == 2.0
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_monitoring_an_offloaded_model_reads_the_host_weights(recipe):
+    """Under CPUOffloadOptimizer the weight parameter is a placeholder: the weight statistics
+    come from the master values, never from the placeholder's NaN."""
+    m = _model(recipe)
+    opt = fp8ops.CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3)
+    fp8ops.monitor(m, every=1, raise_on_nonfinite=True)
+    for _ in range(2):
+        m(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    s = fp8ops.stats(m)
+    assert s["0.weight.nonfinite"] == 0.0 and s["0.weight.amax"] > 0
