@@ -3,6 +3,11 @@
 Each function has the same signature as its op in ops.py and runs on any device. The numerics are
 those of DESIGN.md sections 3-5: one float32 multiply by the scale, clamp (so +-inf saturate and
 torch's version-dependent overflow never matters), round to nearest even, NaN written as 0x7F.
+
+The full-size passes avoid boolean masks (torch.where, isnan, comparisons): on CPU those run an
+order of magnitude slower than arithmetic. Masks stay on the small per-block and per-tensor
+tensors; NaN is carried by arithmetic (a NaN scale) and canonicalized on the bytes. Each rewrite is
+exact, and tests/test_emulation_fast.py checks it byte for byte against the plain formulation.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .formats import E8M0_BIAS, E8M0_NAN, NAN_BYTE, get_format
+from .formats import E8M0_BIAS, E8M0_NAN, get_format
 
 _MASK32 = 0xFFFFFFFF
 FLT_MAX = torch.finfo(torch.float32).max
@@ -21,12 +26,48 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 # ----------------------------------------------------------------------------------------------
 # small exact helpers
 # ----------------------------------------------------------------------------------------------
-def _rne_fp8(y: torch.Tensor, fmt) -> torch.Tensor:
-    """float32 -> FP8, saturating round to nearest even; NaN becomes the canonical 0x7F byte."""
-    y = y.clamp(-fmt.max, fmt.max)  # NaN passes through clamp
+def _maybe(flag: torch.Tensor) -> bool:
+    """bool(flag) where reading it costs nothing (CPU); elsewhere True, the safe answer, so that
+    no op syncs with the host (CUDA graphs)."""
+    return flag.device.type != "cpu" or bool(flag)
+
+
+# Smallest magnitude byte (sign bit clear) that is NaN: E4M3 0x7F; E5M2 0x7D-0x7F.
+_FIRST_NAN = {"e4m3": 0x7F, "e5m2": 0x7D}
+
+
+def _canonical_nan_bytes(q: torch.Tensor, fmt) -> torch.Tensor:
+    """Every NaN byte of q (uint8, modified in place) becomes 0x7F, in integer ops only."""
+    h = (q & 0x7F).add_(0x80 - _FIRST_NAN[fmt.name]).bitwise_and_(0x80)  # 0x80 iff NaN
+    return q.bitwise_or_(h - (h >> 7)).bitwise_and_(h ^ 0xFF)  # NaN: (q | 0x7F) & 0x7F
+
+
+def _rne_fp8(y: torch.Tensor, fmt, nan_possible: bool = True,
+             inplace: bool = False) -> torch.Tensor:
+    """float32 -> FP8, saturating round to nearest even; NaN becomes the canonical 0x7F byte.
+    nan_possible=False skips the NaN pass when the caller knows y has none; inplace clamps y."""
+    y = y.clamp_(-fmt.max, fmt.max) if inplace else y.clamp(-fmt.max, fmt.max)  # NaN passes
     q = y.to(fmt.dtype)
-    return torch.where(torch.isnan(y), torch.full_like(q.view(torch.uint8), NAN_BYTE),
-                       q.view(torch.uint8)).view(fmt.dtype)
+    if nan_possible:
+        q = _canonical_nan_bytes(q.view(torch.uint8), fmt).view(fmt.dtype)
+    return q
+
+
+def _fp8_to_f32(data: torch.Tensor) -> torch.Tensor:
+    """FP8 -> float32, bit for bit what data.float() gives, several times faster on CPU: both
+    formats are exact in float16, whose conversion is vectorized. Data holding NaN bytes takes
+    data.float(): torch's float16 conversion gives a NaN payload that depends on where the
+    element falls (vector body or scalar tail)."""
+    fmt = get_format(data.dtype)
+    if data.device.type != "cpu" or data.numel() == 0 or \
+            int((data.view(torch.uint8) & 0x7F).max()) >= _FIRST_NAN[fmt.name]:
+        return data.float()
+    if fmt.name == "e5m2":  # E5M2 is the top byte of a float16
+        return data.view(torch.uint8).to(torch.int16).bitwise_left_shift_(8).view(torch.float16).float()
+    # E4M3 s.eeee.mmm -> float16 s.0eeee.mmm0000000, which is the value times 2^-8 (subnormals
+    # too). The sign-extended int8 shifted by 7 sets bit 14 for negative bytes: cleared by the mask.
+    h = data.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-0x4001)
+    return h.view(torch.float16).float().mul_(256.0)
 
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
@@ -45,12 +86,19 @@ def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
 
 def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| as float32; NaN wins over everything, empty gives 0."""
-    a = x.float().abs()
-    if dim is None:
-        if a.numel() == 0:
-            return torch.zeros((), dtype=torch.float32, device=x.device)
-        return a.amax()
-    return a.amax(dim=dim)
+    if dim is not None:
+        return x.float().abs().amax(dim=dim)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if x.device.type == "cpu":
+        # max(max x, -min x) reads x twice but writes no full-size |x| (whose fresh pages cost
+        # more than the pass); exact, as max and negation are. NaN: the plain way below, for its
+        # bits.
+        lo, hi = x.amin().float(), x.amax().float()
+        m = torch.maximum(hi, lo.neg_()).abs_()
+        if not m.isnan():
+            return m
+    return x.float().abs().amax()
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -65,54 +113,94 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-
-
-def _mulhilo32(a, m: int):
-    """(hi, lo) 32-bit halves of a * m without int64 overflow (a < 2^32 split into 16-bit halves)."""
-    p_lo = (a & 0xFFFF) * m  # < 2^48
-    p_hi = (a >> 16) * m  # < 2^48
-    mid = ((p_hi & 0xFFFF) << 16) + p_lo  # < 2^49
-    return ((p_hi >> 16) + (mid >> 32)) & _MASK32, mid & _MASK32
+# Counters per chunk of random_words: the round's working set stays in a core's L2 cache.
+_PHILOX_CHUNK = 1 << 15
 
 
 def philox4x32_10(counter, key):
-    """Philox4x32-10. counter: 4 int64 tensors or ints (< 2^32); key: 2 ints. Returns 4 words."""
+    """Philox4x32-10. counter: 4 int64 tensors or ints (< 2^32); key: 2 ints. Returns 4 words.
+
+    A 32 x 32-bit product is below 2^64: as int64 it wraps, but its bits are the product, so hi is
+    bits 32-63 (`>> 32`, masked: the shift is arithmetic) and lo bits 0-31. The lo words are
+    carried unmasked (their high bits are garbage) and masked where they meet a multiply."""
     c0, c1, c2, c3 = counter
     k0, k1 = key[0] & _MASK32, key[1] & _MASK32
     for r in range(10):
         if r:
             k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
-        hi0, lo0 = _mulhilo32(c0, _PHILOX_M[0])
-        hi1, lo1 = _mulhilo32(c2, _PHILOX_M[1])
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & _MASK32, p1, ((p0 >> 32) ^ c3 ^ k1) & _MASK32, p0
+    return c0, c1 & _MASK32, c2, c3 & _MASK32
+
+
+def _philox_chunks(n: int, seed: int, offset: int, device):
+    """Yield (first counter, 4 word tensors) for the counters j of flat elements 0..n-1, chunk
+    by chunk. philox4x32_10 with no allocation inside the rounds; c1 and c3 come unmasked."""
+    nc = (n + 3) // 4
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)
+    off = (offset & _MASK32, (offset >> 32) & _MASK32)
+    size = max(1, min(nc, _PHILOX_CHUNK))
+    bufs = [torch.empty(size, dtype=torch.int64, device=device) for _ in range(6)]
+    for start in range(0, nc, size):
+        m = min(size, nc - start)
+        c0, c1, c2, c3, t0, t1 = (b[:m] for b in bufs)
+        torch.arange(start, start + m, dtype=torch.int64, device=device, out=c0)
+        if start + m > 1 << 32:
+            torch.bitwise_right_shift(c0, 32, out=c1)
+            c0.bitwise_and_(_MASK32)
+        else:
+            c1.zero_()
+        c2.fill_(off[0])
+        c3.fill_(off[1])
+        k0, k1 = key
+        for r in range(10):
+            if r:
+                k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+            p0, p1 = c0.mul_(_PHILOX_M[0]), c2.mul_(_PHILOX_M[1])
+            n0 = torch.bitwise_right_shift(p1, 32, out=t0).bitwise_xor_(c1).bitwise_xor_(k0)
+            n2 = torch.bitwise_right_shift(p0, 32, out=t1).bitwise_xor_(c3).bitwise_xor_(k1)
+            c0, c1, c2, c3, t0, t1 = n0.bitwise_and_(_MASK32), p1, n2.bitwise_and_(_MASK32), p0, \
+                c1, c3
+        yield start, (c0, c1, c2, c3)
 
 
 def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
     """The 32-bit random word (as int64) of each flat element 0..n-1."""
-    j = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)
-    counter = (j & _MASK32, j >> 32, offset & _MASK32, (offset >> 32) & _MASK32)
-    words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
-    words = [w if torch.is_tensor(w) else torch.full_like(j, w) for w in words]
-    return torch.stack(words, dim=1).reshape(-1)[:n]
+    out = torch.empty(((n + 3) // 4, 4), dtype=torch.int64, device=device)
+    for start, words in _philox_chunks(n, seed, offset, device):
+        for i, w in enumerate(words):
+            torch.bitwise_and(w, _MASK32, out=out[start:start + w.numel(), i])
+    return out.reshape(-1)[:n]
 
 
-def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int) -> torch.Tensor:
-    """Stochastic rounding of float32 y (already scaled) to FP8, DESIGN.md section 4."""
-    y = y.clamp(-fmt.max, fmt.max)
-    r = random_words(y.numel(), seed, offset, y.device).reshape(y.shape)
-    u = (r >> 8).to(torch.float32) * 2.0 ** -24
+def _uniform24(n: int, seed: int, offset: int, device) -> torch.Tensor:
+    """u = (r >> 8) * 2^-24 (float32, exact) for the random word r of each flat element."""
+    out = torch.empty(((n + 3) // 4, 4), dtype=torch.float32, device=device)
+    for start, words in _philox_chunks(n, seed, offset, device):
+        for i, w in enumerate(words):  # (r >> 8) < 2^24 converts to float32 exactly
+            out[start:start + w.numel(), i] = w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+    return out.mul_(2.0 ** -24).reshape(-1)[:n]
+
+
+def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int,
+                    nan_possible: bool = True) -> torch.Tensor:
+    """Stochastic rounding of float32 y (already scaled; a temporary: clobbered) to FP8,
+    DESIGN.md section 4, without masks:
+    - ulp = 2^(max(floor(log2|y|), emin) - mbits) comes from |y|'s exponent field; a float32
+      subnormal or zero gets emin, the right ulp for the first and harmless for zero;
+    - up = (frac > u) is sign(frac - u) clamped at 0: the float32 difference of two values in
+      [0, 1) is zero only when they are equal, and never changes sign;
+    - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway)."""
+    y = y.clamp_(-fmt.max, fmt.max)
     a = y.abs()
-    nonzero = a > 0
-    e = torch.where(nonzero, _floor_log2(torch.where(nonzero, a, 1.0)), 0)
-    ulp = _exp2_f32(torch.clamp(e, min=fmt.emin) - fmt.mbits)
-    k = a / ulp  # exact: ulp is a power of two and k stays small
+    ulp = (a.view(torch.int32) & 0x7F800000).clamp_(min=(fmt.emin + 127) << 23)
+    ulp = ulp.sub_(fmt.mbits << 23).view(torch.float32)
+    k = a.div_(ulp)  # exact: ulp is a power of two and k stays small
     fk = torch.floor(k)
-    up = (k - fk) > u
-    fmax = torch.full((), fmt.max, dtype=torch.float32, device=y.device)
-    mag = torch.minimum((fk + up.to(torch.float32)) * ulp, fmax)
-    res = torch.where(nonzero, torch.copysign(mag, y), y)  # keeps signed zero and NaN
-    return _rne_fp8(res, fmt)  # exact: res is already an FP8 value (or NaN)
+    u = _uniform24(y.numel(), seed, offset, y.device).reshape(y.shape)
+    up = k.sub_(fk).sub_(u).sign_().clamp_(min=0)  # 1.0 where frac > u, else 0.0
+    mag = fk.add_(up).mul_(ulp).clamp_(max=fmt.max)
+    return _rne_fp8(mag.copysign_(y), fmt, nan_possible, inplace=True)  # exact: an FP8 value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,27 +213,34 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0):
     fmt = get_format(dtype)
-    y = x.float() * scale.float().reshape(())  # a [1] scale must not broadcast a 0-d x
-    data = _stochastic_fp8(y, fmt, seed, offset) if stochastic else _rne_fp8(y, fmt)
+    s = scale.float().reshape(())  # a [1] scale must not broadcast a 0-d x
+    x_amax = _abs_max(x)
+    y = x.float() * s
+    # x * s is NaN only for a NaN or inf in x, or a non-finite s
+    nan_possible = _maybe(~(torch.isfinite(x_amax) & torch.isfinite(s)))
+    if stochastic:
+        data = _stochastic_fp8(y, fmt, seed, offset, nan_possible)
+    else:
+        data = _rne_fp8(y, fmt, nan_possible, inplace=True)
     data = data.contiguous()
     if transpose:
         data_t = _as_2d(data).t().clone(memory_format=torch.contiguous_format)
     else:
         data_t = data.new_empty((0,))
-    return data, data_t, _abs_max(x)
+    return data, data_t, x_amax
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale_inv.float().reshape(())).to(out_dtype).contiguous()
+    return _fp8_to_f32(data).mul_(scale_inv.float().reshape(())).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
 # MXFP8 (DESIGN.md section 5)
 # ----------------------------------------------------------------------------------------------
-def _blocks_last(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
-    """Move axis last and split it into (n_blocks, block_size)."""
-    xt = x.movedim(axis, -1)
-    return xt.reshape(*xt.shape[:-1], xt.shape[-1] // block_size, block_size)
+def _split_axis(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
+    """Split `axis` into (n_blocks, block_size) in place: a view, with no data movement."""
+    return x.reshape(*x.shape[:axis], x.shape[axis] // block_size, block_size,
+                     *x.shape[axis + 1:])
 
 
 def mx_exponent(amax_block: torch.Tensor, fmt, rceil: bool) -> torch.Tensor:
@@ -166,14 +261,15 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
         raise ValueError(f"quantize_mx: axis {axis} must exist and its length must be a multiple "
                          f"of block_size {block_size}; got shape {tuple(x.shape)}")
     axis = axis % x.dim()
-    xb = _blocks_last(x.float(), block_size, axis)
-    amax_b = _abs_max(xb, dim=-1)
+    xb = _split_axis(x.float(), block_size, axis)
+    amax_b = _abs_max(xb, dim=axis + 1)  # scales' shape: x's with axis divided by the block
     bad = ~torch.isfinite(amax_b)
     e = mx_exponent(amax_b, fmt, rceil)
-    y = xb * _exp2_f32(-e).unsqueeze(-1)
-    y = torch.where(bad.unsqueeze(-1), torch.full_like(y, float("nan")), y)
-    data = _rne_fp8(y, fmt).reshape(*xb.shape[:-2], xb.shape[-2] * block_size).movedim(-1, axis)
-    scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8).movedim(-1, axis)
+    # a block holding NaN or inf: a NaN multiplier makes all its data NaN
+    mult = torch.where(bad, float("nan"), _exp2_f32(-e))
+    y = xb * mult.unsqueeze(axis + 1)
+    data = _rne_fp8(y, fmt, _maybe(bad.any()), inplace=True).reshape(x.shape)
+    scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
     return data.contiguous(), scales.contiguous()
 
 
@@ -185,25 +281,37 @@ def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
 def dequantize_mx(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,
                   out_dtype: torch.dtype) -> torch.Tensor:
     axis = axis % data.dim()
-    xb = _blocks_last(data.float(), block_size, axis)
-    s = e8m0_to_float(scales).movedim(axis, -1).unsqueeze(-1)
-    flat = (xb * s).reshape(*xb.shape[:-2], xb.shape[-2] * block_size)
-    return flat.movedim(-1, axis).to(out_dtype).contiguous()
+    # bytes first: a transposed view is cheaper to copy as FP8 than as float32
+    xb = _split_axis(_fp8_to_f32(data.contiguous()), block_size, axis)
+    y = xb.mul_(e8m0_to_float(scales).unsqueeze(axis + 1)).reshape(data.shape)
+    return y.to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
 # Blockwise (DeepSeek-V3 style, DESIGN.md section 5)
 # ----------------------------------------------------------------------------------------------
 def _tiles(x2: torch.Tensor, br: int, bc: int, fill: float) -> torch.Tensor:
-    """[R, C] -> [Rb, br, Cb, bc], padding the last partial blocks with `fill`."""
+    """[R, C] -> [Rb, br, Cb, bc], padding the last partial blocks with `fill` (a view when
+    there is nothing to pad)."""
     R, C = x2.shape
     Rb, Cb = -(-R // br), -(-C // bc)
-    padded = torch.nn.functional.pad(x2, (0, Cb * bc - C, 0, Rb * br - R), value=fill)
-    return padded.reshape(Rb, br, Cb, bc)
+    if Rb * br != R or Cb * bc != C:
+        x2 = torch.nn.functional.pad(x2, (0, Cb * bc - C, 0, Rb * br - R), value=fill)
+    return x2.reshape(Rb, br, Cb, bc)
 
 
 def _expand_tiles(s: torch.Tensor, br: int, bc: int, R: int, C: int) -> torch.Tensor:
     return s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
+
+
+def _times_block(x2: torch.Tensor, s: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """x2 [R, C] times the value of s [Rb, Cb] for each element's block (one float32 multiply
+    each); broadcast over a tiled view when the blocks divide x2, so s is never expanded."""
+    R, C = x2.shape
+    Rb, Cb = s.shape
+    if Rb * br != R or Cb * bc != C:
+        return x2 * _expand_tiles(s, br, bc, R, C)
+    return (x2.reshape(Rb, br, Cb, bc) * s[:, None, :, None]).reshape(R, C)
 
 
 def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
@@ -230,20 +338,22 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, blo
                        power_of_two: bool):
     fmt = get_format(dtype)
     x2 = _as_2d(x.float())
-    R, C = x2.shape
+    if not x2.is_contiguous():  # a transposed input: one copy here keeps every pass below dense
+        x2 = x2.contiguous()
     amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
     scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
-    y = x2 * _expand_tiles(scale, block_rows, block_cols, R, C)
-    bad = _expand_tiles(~torch.isfinite(amax_b), block_rows, block_cols, R, C)
-    y = torch.where(bad, float("nan"), y)
-    return _rne_fp8(y, fmt).reshape(x.shape).contiguous(), scale_inv
+    bad = ~torch.isfinite(amax_b)
+    # a block holding NaN or inf: a NaN multiplier makes all its data NaN
+    y = _times_block(x2, torch.where(bad, float("nan"), scale), block_rows, block_cols)
+    data = _rne_fp8(y, fmt, _maybe(bad.any()), inplace=True)
+    return data.reshape(x.shape).contiguous(), scale_inv
 
 
 def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
                          block_cols: int, out_dtype: torch.dtype) -> torch.Tensor:
-    d2 = _as_2d(data.float())
-    s = _expand_tiles(scale_inv, block_rows, block_cols, *d2.shape)
-    return (d2 * s).to(out_dtype).reshape(data.shape).contiguous()
+    d2 = _as_2d(_fp8_to_f32(data))
+    y = _times_block(d2, scale_inv, block_rows, block_cols)
+    return y.to(out_dtype).reshape(data.shape).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,15 +422,16 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
 # GEMMs: exact upcast of FP8 operands, float32 accumulation
 # ----------------------------------------------------------------------------------------------
 def _epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype):
+    """acc is a temporary: the bias is added in place."""
     if bias is not None:
-        acc = acc + bias.float()
+        acc = acc.add_(bias.float())
     return acc.to(out_dtype)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     alpha = a_scale_inv.float() * b_scale_inv.float()
-    return _epilogue((a.float() @ b.float().t()) * alpha, bias, out_dtype)
+    return _epilogue((_fp8_to_f32(a) @ _fp8_to_f32(b).t()).mul_(alpha), bias, out_dtype)
 
 
 def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -332,10 +443,10 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     N = b.shape[0]
     sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
     acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    af, bf = a.float(), b.float()
+    af, bf = _fp8_to_f32(a), _fp8_to_f32(b)
     for kb in range(-(-K // 128)):
         part = af[:, kb * 128:(kb + 1) * 128] @ bf[:, kb * 128:(kb + 1) * 128].t()
-        acc = acc + part * a_scale_inv[:, kb:kb + 1].float() * sb[:, kb].float().unsqueeze(0)
+        acc.add_(part.mul_(a_scale_inv[:, kb:kb + 1].float()).mul_(sb[:, kb].float().unsqueeze(0)))
     return _epilogue(acc, bias, out_dtype)
 
 
