@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ._scratch import scratch, scratch_like
 from .formats import E8M0_BIAS, E8M0_NAN, get_format
 
 _MASK32 = 0xFFFFFFFF
@@ -47,27 +48,42 @@ def _rne_fp8(y: torch.Tensor, fmt, nan_possible: bool = True,
     """float32 -> FP8, saturating round to nearest even; NaN becomes the canonical 0x7F byte.
     nan_possible=False skips the NaN pass when the caller knows y has none; inplace clamps y."""
     y = y.clamp_(-fmt.max, fmt.max) if inplace else y.clamp(-fmt.max, fmt.max)  # NaN passes
+    return _cast_in_range(y, fmt, nan_possible)
+
+
+def _cast_in_range(y: torch.Tensor, fmt, nan_possible: bool = True) -> torch.Tensor:
+    """_rne_fp8 of a y already within +-max (or NaN): no clamp."""
     q = y.to(fmt.dtype)
     if nan_possible:
         q = _canonical_nan_bytes(q.view(torch.uint8), fmt).view(fmt.dtype)
     return q
 
 
-def _fp8_to_f32(data: torch.Tensor) -> torch.Tensor:
-    """FP8 -> float32, bit for bit what data.float() gives, several times faster on CPU: both
-    formats are exact in float16, whose conversion is vectorized. Data holding NaN bytes takes
-    data.float(): torch's float16 conversion gives a NaN payload that depends on where the
-    element falls (vector body or scalar tail)."""
+def _fp8_to_f32(data: torch.Tensor, slot: Optional[str] = None) -> torch.Tensor:
+    """FP8 -> float32, bit for bit what data.float() gives (layout too), several times faster on
+    CPU: both formats are exact in float16, whose conversion is vectorized. Data holding NaN bytes
+    takes data.float(): torch's float16 conversion gives a NaN payload that depends on where the
+    element falls (vector body or scalar tail). With `slot`, a contiguous input is decoded into
+    that scratch buffer (for a result the caller consumes before returning)."""
     fmt = get_format(data.dtype)
-    if data.device.type != "cpu" or data.numel() == 0 or \
-            int((data.view(torch.uint8) & 0x7F).max()) >= _FIRST_NAN[fmt.name]:
+    if data.device.type != "cpu" or data.numel() == 0:
         return data.float()
+    u8 = data.view(torch.uint8)
+    if int(torch.bitwise_and(u8, 0x7F, out=scratch_like("fp8_mag", u8)).max()) >= \
+            _FIRST_NAN[fmt.name]:
+        return data.float()
+    if slot is not None and data.is_contiguous():
+        h = scratch_like("fp8_half", data, torch.int16)
+        out = scratch_like(slot, data, torch.float32)
+    else:  # same layout as data.float()
+        h = torch.empty_like(data, dtype=torch.int16)
+        out = torch.empty_like(data, dtype=torch.float32)
     if fmt.name == "e5m2":  # E5M2 is the top byte of a float16
-        return data.view(torch.uint8).to(torch.int16).bitwise_left_shift_(8).view(torch.float16).float()
+        return out.copy_(h.copy_(u8).bitwise_left_shift_(8).view(torch.float16))
     # E4M3 s.eeee.mmm -> float16 s.0eeee.mmm0000000, which is the value times 2^-8 (subnormals
     # too). The sign-extended int8 shifted by 7 sets bit 14 for negative bytes: cleared by the mask.
-    h = data.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-0x4001)
-    return h.view(torch.float16).float().mul_(256.0)
+    h.copy_(data.view(torch.int8)).bitwise_left_shift_(7).bitwise_and_(-0x4001)
+    return out.copy_(h.view(torch.float16)).mul_(256.0)
 
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
@@ -87,7 +103,7 @@ def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
 def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| as float32; NaN wins over everything, empty gives 0."""
     if dim is not None:
-        return x.float().abs().amax(dim=dim)
+        return torch.abs(x.float(), out=scratch_like("abs", x, torch.float32)).amax(dim=dim)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     if x.device.type == "cpu":
@@ -140,7 +156,7 @@ def _philox_chunks(n: int, seed: int, offset: int, device):
     key = (seed & _MASK32, (seed >> 32) & _MASK32)
     off = (offset & _MASK32, (offset >> 32) & _MASK32)
     size = max(1, min(nc, _PHILOX_CHUNK))
-    bufs = [torch.empty(size, dtype=torch.int64, device=device) for _ in range(6)]
+    bufs = [scratch(f"philox{i}", (size,), torch.int64, device) for i in range(6)]
     for start in range(0, nc, size):
         m = min(size, nc - start)
         c0, c1, c2, c3, t0, t1 = (b[:m] for b in bufs)
@@ -175,7 +191,7 @@ def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
 
 def _uniform24(n: int, seed: int, offset: int, device) -> torch.Tensor:
     """u = (r >> 8) * 2^-24 (float32, exact) for the random word r of each flat element."""
-    out = torch.empty(((n + 3) // 4, 4), dtype=torch.float32, device=device)
+    out = scratch("uniform", ((n + 3) // 4, 4), torch.float32, device)
     for start, words in _philox_chunks(n, seed, offset, device):
         for i, w in enumerate(words):  # (r >> 8) < 2^24 converts to float32 exactly
             out[start:start + w.numel(), i] = w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
@@ -188,19 +204,19 @@ def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int,
     DESIGN.md section 4, without masks:
     - ulp = 2^(max(floor(log2|y|), emin) - mbits) comes from |y|'s exponent field; a float32
       subnormal or zero gets emin, the right ulp for the first and harmless for zero;
-    - up = (frac > u) is sign(frac - u) clamped at 0: the float32 difference of two values in
-      [0, 1) is zero only when they are equal, and never changes sign;
+    - up = (frac > u) is ceil(frac - u): the float32 difference of two values in [0, 1) lies in
+      (-1, 1), is zero only when they are equal and never changes sign (ceil gives 1, or +-0);
     - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway)."""
     y = y.clamp_(-fmt.max, fmt.max)
-    a = y.abs()
-    ulp = (a.view(torch.int32) & 0x7F800000).clamp_(min=(fmt.emin + 127) << 23)
-    ulp = ulp.sub_(fmt.mbits << 23).view(torch.float32)
+    a = torch.abs(y, out=scratch_like("sr_abs", y))
+    ulp = torch.bitwise_and(a.view(torch.int32), 0x7F800000,
+                            out=scratch_like("sr_ulp", y, torch.int32))
+    ulp = ulp.clamp_(min=(fmt.emin + 127) << 23).sub_(fmt.mbits << 23).view(torch.float32)
     k = a.div_(ulp)  # exact: ulp is a power of two and k stays small
-    fk = torch.floor(k)
+    fk = torch.floor(k, out=scratch_like("sr_floor", y))
     u = _uniform24(y.numel(), seed, offset, y.device).reshape(y.shape)
-    up = k.sub_(fk).sub_(u).sign_().clamp_(min=0)  # 1.0 where frac > u, else 0.0
-    mag = fk.add_(up).mul_(ulp).clamp_(max=fmt.max)
-    return _rne_fp8(mag.copysign_(y), fmt, nan_possible, inplace=True)  # exact: an FP8 value
+    mag = fk.add_(k.sub_(fk).sub_(u).ceil_()).mul_(ulp).clamp_(max=fmt.max)
+    return _cast_in_range(mag.copysign_(y), fmt, nan_possible)  # exact: an FP8 value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +231,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     fmt = get_format(dtype)
     s = scale.float().reshape(())  # a [1] scale must not broadcast a 0-d x
     x_amax = _abs_max(x)
-    y = x.float() * s
+    y = torch.mul(x.float(), s, out=scratch_like("cast_y", x, torch.float32))
     # x * s is NaN only for a NaN or inf in x, or a non-finite s
     nan_possible = _maybe(~(torch.isfinite(x_amax) & torch.isfinite(s)))
     if stochastic:
@@ -267,7 +283,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
     e = mx_exponent(amax_b, fmt, rceil)
     # a block holding NaN or inf: a NaN multiplier makes all its data NaN
     mult = torch.where(bad, float("nan"), _exp2_f32(-e))
-    y = xb * mult.unsqueeze(axis + 1)
+    y = torch.mul(xb, mult.unsqueeze(axis + 1), out=scratch_like("cast_y", xb))
     data = _rne_fp8(y, fmt, _maybe(bad.any()), inplace=True).reshape(x.shape)
     scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
     return data.contiguous(), scales.contiguous()
@@ -278,13 +294,19 @@ def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == E8M0_NAN, float("nan"), s)
 
 
+def _dequantize_mx_f32(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,
+                       slot: Optional[str] = None) -> torch.Tensor:
+    """dequantize_mx to float32, contiguous; into scratch `slot` when given."""
+    axis = axis % data.dim()
+    if not data.is_contiguous():  # bytes first: cheaper to transpose as FP8 than as float32
+        data = scratch_like("mx_bytes", data).copy_(data) if slot else data.contiguous()
+    xb = _split_axis(_fp8_to_f32(data, slot), block_size, axis)
+    return xb.mul_(e8m0_to_float(scales).unsqueeze(axis + 1)).reshape(data.shape)
+
+
 def dequantize_mx(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    axis = axis % data.dim()
-    # bytes first: a transposed view is cheaper to copy as FP8 than as float32
-    xb = _split_axis(_fp8_to_f32(data.contiguous()), block_size, axis)
-    y = xb.mul_(e8m0_to_float(scales).unsqueeze(axis + 1)).reshape(data.shape)
-    return y.to(out_dtype).contiguous()
+    return _dequantize_mx_f32(data, scales, block_size, axis).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,14 +326,19 @@ def _expand_tiles(s: torch.Tensor, br: int, bc: int, R: int, C: int) -> torch.Te
     return s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
 
 
-def _times_block(x2: torch.Tensor, s: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+def _times_block(x2: torch.Tensor, s: torch.Tensor, br: int, bc: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2 [R, C] times the value of s [Rb, Cb] for each element's block (one float32 multiply
-    each); broadcast over a tiled view when the blocks divide x2, so s is never expanded."""
+    each); broadcast over a tiled view when the blocks divide x2, so s is never expanded.
+    `out`: a contiguous [R, C] tensor of the result's dtype to write into."""
     R, C = x2.shape
     Rb, Cb = s.shape
     if Rb * br != R or Cb * bc != C:
-        return x2 * _expand_tiles(s, br, bc, R, C)
-    return (x2.reshape(Rb, br, Cb, bc) * s[:, None, :, None]).reshape(R, C)
+        return torch.mul(x2, _expand_tiles(s, br, bc, R, C), out=out)
+    if out is None:
+        return (x2.reshape(Rb, br, Cb, bc) * s[:, None, :, None]).reshape(R, C)
+    torch.mul(x2.reshape(Rb, br, Cb, bc), s[:, None, :, None], out=out.view(Rb, br, Cb, bc))
+    return out
 
 
 def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
@@ -339,19 +366,20 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, blo
     fmt = get_format(dtype)
     x2 = _as_2d(x.float())
     if not x2.is_contiguous():  # a transposed input: one copy here keeps every pass below dense
-        x2 = x2.contiguous()
+        x2 = scratch_like("bw_x", x2).copy_(x2)
     amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
     scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
     bad = ~torch.isfinite(amax_b)
     # a block holding NaN or inf: a NaN multiplier makes all its data NaN
-    y = _times_block(x2, torch.where(bad, float("nan"), scale), block_rows, block_cols)
+    y = _times_block(x2, torch.where(bad, float("nan"), scale), block_rows, block_cols,
+                     out=scratch_like("cast_y", x2))
     data = _rne_fp8(y, fmt, _maybe(bad.any()), inplace=True)
     return data.reshape(x.shape).contiguous(), scale_inv
 
 
 def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
                          block_cols: int, out_dtype: torch.dtype) -> torch.Tensor:
-    d2 = _as_2d(_fp8_to_f32(data))
+    d2 = _as_2d(_fp8_to_f32(data, "dequant_in"))
     y = _times_block(d2, scale_inv, block_rows, block_cols)
     return y.to(out_dtype).reshape(data.shape).contiguous()
 
@@ -431,7 +459,8 @@ def _epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     alpha = a_scale_inv.float() * b_scale_inv.float()
-    return _epilogue((_fp8_to_f32(a) @ _fp8_to_f32(b).t()).mul_(alpha), bias, out_dtype)
+    af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
+    return _epilogue((af @ bf.t()).mul_(alpha), bias, out_dtype)
 
 
 def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -443,9 +472,10 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     N = b.shape[0]
     sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
     acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    af, bf = _fp8_to_f32(a), _fp8_to_f32(b)
+    af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
+    part = scratch("gemm_part", (M, N), torch.float32, a.device)
     for kb in range(-(-K // 128)):
-        part = af[:, kb * 128:(kb + 1) * 128] @ bf[:, kb * 128:(kb + 1) * 128].t()
+        torch.mm(af[:, kb * 128:(kb + 1) * 128], bf[:, kb * 128:(kb + 1) * 128].t(), out=part)
         acc.add_(part.mul_(a_scale_inv[:, kb:kb + 1].float()).mul_(sb[:, kb].float().unsqueeze(0)))
     return _epilogue(acc, bias, out_dtype)
 
@@ -453,6 +483,6 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
 def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
     """a [M,K], b [N,K], both with E8M0 scales along K: dequantize (exact) and accumulate in fp32."""
-    ad = dequantize_mx(a, a_scales, block_size, -1, torch.float32)
-    bd = dequantize_mx(b, b_scales, block_size, -1, torch.float32)
+    ad = _dequantize_mx_f32(a, a_scales, block_size, -1, "gemm_a")
+    bd = _dequantize_mx_f32(b, b_scales, block_size, -1, "gemm_b")
     return _epilogue(ad @ bd.t(), bias, out_dtype)
