@@ -86,6 +86,11 @@ def _fp8_to_f32(data: torch.Tensor, slot: Optional[str] = None) -> torch.Tensor:
     return out.copy_(h.view(torch.float16)).mul_(256.0)
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """t.float() without an op call when t already is float32."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
     """floor(log2(a)) for finite a > 0 (int32), exact for subnormals too."""
     _, e = torch.frexp(a)  # a = m * 2^e with m in [0.5, 1)
@@ -129,8 +134,9 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-# Counters per chunk of random_words: the round's working set stays in a core's L2 cache.
-_PHILOX_CHUNK = 1 << 15
+# Counters per chunk of random_words: bounds the working set (six int64 buffers) while each op
+# stays large enough to run on every intra-op thread.
+_PHILOX_CHUNK = 1 << 18
 
 
 def philox4x32_10(counter, key):
@@ -277,21 +283,49 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
         raise ValueError(f"quantize_mx: axis {axis} must exist and its length must be a multiple "
                          f"of block_size {block_size}; got shape {tuple(x.shape)}")
     axis = axis % x.dim()
-    xb = _split_axis(x.float(), block_size, axis)
+    xb = _split_axis(_f32(x), block_size, axis)
     amax_b = _abs_max(xb, dim=axis + 1)  # scales' shape: x's with axis divided by the block
-    bad = ~torch.isfinite(amax_b)
-    e = mx_exponent(amax_b, fmt, rceil)
-    # a block holding NaN or inf: a NaN multiplier makes all its data NaN
-    mult = torch.where(bad, float("nan"), _exp2_f32(-e))
-    y = torch.mul(xb, mult.unsqueeze(axis + 1), out=scratch_like("cast_y", xb))
-    data = _rne_fp8(y, fmt, _maybe(bad.any()), inplace=True).reshape(x.shape)
-    scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
+    e, bad = _mx_exponent_bits(amax_b, fmt, rceil)
+    # 2^-e from its bits (e <= 127 - emax + 1, so 2^-e is normal); a block holding NaN or inf
+    # (bad = 1) gets a NaN multiplier, which makes all its data NaN
+    mult = (127 - e).bitwise_left_shift_(23).bitwise_or_(bad * 0x7FC00000)
+    y = torch.mul(xb, mult.view(torch.float32).unsqueeze(axis + 1),
+                  out=scratch_like("cast_y", xb))
+    nan_possible = bad.device.type != "cpu" or (bad.numel() > 0 and int(bad.max()) > 0)
+    data = _rne_fp8(y, fmt, nan_possible, inplace=True).reshape(x.shape)
+    scales = (e + E8M0_BIAS).bitwise_or_(bad * E8M0_NAN).to(torch.uint8)
     return data.contiguous(), scales.contiguous()
 
 
+def _mx_exponent_bits(amax_b: torch.Tensor, fmt, rceil: bool):
+    """(mx_exponent, 1 where the block holds NaN or inf else 0) from the bits of amax >= 0, in
+    integer ops: floor(log2 amax) is the exponent field minus 127 (a subnormal or zero amax
+    clamps to -127 either way) and RCEIL's mantissa > 1.75 is a fraction field > 0x600000.
+    For a bad block the exponent is meaningless (its scale byte and data are NaN)."""
+    bits = amax_b.view(torch.int32)
+    field = (bits >> 23).bitwise_and_(0xFF)  # masked: a NaN amax may come back with its sign set
+    e = field - (127 + fmt.emax)
+    if rceil:
+        e.add_((bits & 0x7FFFFF).add_(0x800000 - 0x600001).bitwise_right_shift_(23))
+    return e.clamp_(-E8M0_BIAS, E8M0_BIAS), field.add_(1).bitwise_right_shift_(8)
+
+
+def _e8m0_table(device) -> torch.Tensor:
+    """2^(byte - 127) for every byte, from its bits: byte << 23, and bit 22 for byte 0 (the
+    subnormal 2^-127) and byte 0xFF (which makes the canonical NaN 0x7FC00000)."""
+    table = _E8M0_TABLES.get(device)
+    if table is None:
+        b = torch.arange(256, dtype=torch.int32)
+        edge = ((b == 0) | (b == E8M0_NAN)).to(torch.int32)
+        table = _E8M0_TABLES[device] = ((b << 23) | (edge << 22)).view(torch.float32).to(device)
+    return table
+
+
+_E8M0_TABLES = {}
+
+
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
-    s = _exp2_f32(scales.to(torch.int32) - E8M0_BIAS)
-    return torch.where(scales == E8M0_NAN, float("nan"), s)
+    return _e8m0_table(scales.device)[scales.to(torch.int64)]
 
 
 def _dequantize_mx_f32(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,

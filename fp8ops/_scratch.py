@@ -29,11 +29,15 @@ def scratch(slot: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
     n = math.prod(shape)
     if device.type != "cpu" or n * dtype.itemsize > _KEEP_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
-    buf = _BUFFERS.by_slot.get((slot, dtype))
-    if buf is None or buf.numel() < n:
-        buf = torch.empty(n, dtype=dtype)
-        _BUFFERS.by_slot[(slot, dtype)] = buf
-    return buf[:n].view(shape)
+    shape = tuple(shape)
+    entry = _BUFFERS.by_slot.get((slot, dtype))
+    if entry is None or entry[0].numel() < n:
+        entry = (torch.empty(n, dtype=dtype), {})  # the buffer and its views by shape
+        _BUFFERS.by_slot[(slot, dtype)] = entry
+    view = entry[1].get(shape)
+    if view is None:  # shapes repeat step after step: keep the view, saving two op calls
+        view = entry[1][shape] = entry[0][:n].view(shape)
+    return view
 
 
 def scratch_like(slot: str, t: torch.Tensor, dtype: torch.dtype = None) -> torch.Tensor:

@@ -161,6 +161,7 @@ def mx_inputs():
     yield x.to(torch.bfloat16)
     yield x.t()  # strided
     yield wide(64 * 32)[: 64 * 32].reshape(64, 32)
+    yield torch.empty(0, 64)
 
 
 @pytest.mark.parametrize("dtype", F8)
@@ -176,6 +177,23 @@ def test_quantize_and_dequantize_mx(dtype, rceil):
                 same(E.dequantize_mx(*got, 32, axis, out), R.dequantize_mx(*got, 32, axis, out))
     with pytest.raises(ValueError):
         E.quantize_mx(torch.randn(4, 40), dtype, 32, -1, rceil)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rceil", [False, True])
+def test_mx_exponent_bits(fmt, rceil):
+    amax = wide().abs()
+    e, bad = E._mx_exponent_bits(amax, fmt, rceil)
+    ok = torch.isfinite(amax)
+    assert torch.equal(bad, (~ok).to(torch.int32))
+    assert torch.equal(e[ok], R.mx_exponent(amax, fmt, rceil)[ok])
+    nan = torch.tensor([0xFFC00000 - 2**32], dtype=torch.int32).view(torch.float32)  # signed NaN
+    assert E._mx_exponent_bits(nan, fmt, rceil)[1].item() == 1
+
+
+def test_e8m0_to_float_every_byte():
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    same(E.e8m0_to_float(b), R.e8m0_to_float(b))
 
 
 def test_dequantize_mx_strided_views():
@@ -196,6 +214,7 @@ def blockwise_inputs():
     yield normal(384, 256, scale=5.0).t()  # strided
     yield normal(2, 3, 128)
     yield x.to(torch.bfloat16)
+    yield torch.empty(0, 128)
 
 
 @pytest.mark.parametrize("dtype", F8)
