@@ -12,6 +12,7 @@ exact, and tests/test_emulation_fast.py checks it byte for byte against the plai
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -112,14 +113,20 @@ def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     if x.device.type == "cpu":
-        # max(max x, -min x) reads x twice but writes no full-size |x| (whose fresh pages cost
-        # more than the pass); exact, as max and negation are. NaN: the plain way below, for its
-        # bits.
-        lo, hi = x.amin().float(), x.amax().float()
-        m = torch.maximum(hi, lo.neg_()).abs_()
-        if not m.isnan():
-            return m
+        # max(max x, -min x) reads x twice but writes no |x|; exact, as max and negation are.
+        # NaN: the plain way below, for its bits.
+        hi, lo = x.amax().item(), x.amin().item()
+        if hi == hi and lo == lo:
+            return torch.tensor(abs(max(hi, -lo)), dtype=torch.float32)
     return x.float().abs().amax()
+
+
+def _round_f32(v: float) -> float:
+    """The float32 nearest to the Python float v (ties to even, overflow to inf)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -235,11 +242,16 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0):
     fmt = get_format(dtype)
-    s = scale.float().reshape(())  # a [1] scale must not broadcast a 0-d x
+    s = _f32(scale)
+    if s.dim():
+        s = s.reshape(())  # a [1] scale must not broadcast a 0-d x
     x_amax = _abs_max(x)
-    y = torch.mul(x.float(), s, out=scratch_like("cast_y", x, torch.float32))
+    y = torch.mul(_f32(x), s, out=scratch_like("cast_y", x, torch.float32))
     # x * s is NaN only for a NaN or inf in x, or a non-finite s
-    nan_possible = _maybe(~(torch.isfinite(x_amax) & torch.isfinite(s)))
+    if x.device.type == "cpu":
+        nan_possible = not (math.isfinite(x_amax.item()) and math.isfinite(s.item()))
+    else:
+        nan_possible = True
     if stochastic:
         data = _stochastic_fp8(y, fmt, seed, offset, nan_possible)
     else:
@@ -428,6 +440,10 @@ def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float
                     power_of_two: bool) -> torch.Tensor:
     """scale = max / (amax * margin); unchanged for amax 0 or non-finite; inf -> FLT_MAX;
     0 (amax * margin overflowed) -> FLT_MIN; power_of_two rounds down to a power of two."""
+    # (callers outside the ops, such as current_scale, may be traced by torch.compile)
+    if amax.device.type == "cpu" and amax.dim() == 0 and prev_scale.dim() == 0 and \
+            not torch.compiler.is_compiling():
+        return _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two)
     amax = amax.float()
     denom = amax * torch.full((), margin, dtype=torch.float32, device=amax.device)
     s = torch.full((), fp8_max, dtype=torch.float32, device=amax.device) / denom
@@ -438,6 +454,20 @@ def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float
         s = _exp2_f32((e2 - 1).clamp(-149, 127))
     keep = (amax == 0) | ~torch.isfinite(amax)
     return torch.where(keep, prev_scale.float(), s)
+
+
+def _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two) -> torch.Tensor:
+    """scale_from_amax of one CPU value in Python floats, a dozen tensor ops cheaper. float32
+    products are exact in float64 and a float64 quotient rounds to the float32 one (53 >= 2*24+2
+    bits), so each float32 operation is one float64 operation and one rounding."""
+    a = amax.item()
+    if a == 0 or not math.isfinite(a):
+        return torch.tensor(prev_scale.item(), dtype=torch.float32)
+    s = _round_f32(_round_f32(fp8_max) / _round_f32(a * _round_f32(margin)))
+    s = FLT_MAX if math.isinf(s) else FLT_MIN if s == 0 else s
+    if power_of_two:
+        s = 2.0 ** min(max(math.frexp(s)[1] - 1, -149), 127)
+    return torch.tensor(s, dtype=torch.float32)
 
 
 def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_rep: torch.Tensor,
@@ -508,9 +538,10 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
     af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
     part = scratch("gemm_part", (M, N), torch.float32, a.device)
-    for kb in range(-(-K // 128)):
-        torch.mm(af[:, kb * 128:(kb + 1) * 128], bf[:, kb * 128:(kb + 1) * 128].t(), out=part)
-        acc.add_(part.mul_(a_scale_inv[:, kb:kb + 1].float()).mul_(sb[:, kb].float().unsqueeze(0)))
+    a_cols, b_rows = _f32(a_scale_inv).split(1, 1), _f32(sb).t()  # [M, 1] each; [Kb, N]
+    for kb, ak, bk in zip(range(-(-K // 128)), af.split(128, 1), bf.split(128, 1)):
+        torch.mm(ak, bk.t(), out=part)
+        acc.add_(part.mul_(a_cols[kb]).mul_(b_rows[kb]))
     return _epilogue(acc, bias, out_dtype)
 
 

@@ -135,6 +135,9 @@ def test_quantize(dtype, stochastic):
 def test_amax_and_dequantize():
     for x in quantize_inputs():
         same(E.amax(x), R.amax(x))
+    for v in (-0.0, 0.0, float("inf"), float("-inf"), float("nan"), -3.0):
+        for x in (torch.tensor([v, -0.0]), torch.tensor([-0.0, v]), torch.tensor([v] * 3)):
+            same(E.amax(x), R.amax(x))
     for dtype in F8:
         q = torch.arange(256, dtype=torch.uint8).view(dtype)
         q2 = normal(40, 24, scale=50.0).clamp(-448, 448).to(dtype)
@@ -143,6 +146,20 @@ def test_amax_and_dequantize():
                 for out in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
                     args = (data, torch.tensor(s), out)
                     same(E.dequantize(*args), R.dequantize(*args))
+
+
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+@pytest.mark.parametrize("margin", [1.0, 1.3, 2.0 ** 100])
+@pytest.mark.parametrize("p2", [False, True])
+def test_scale_from_amax_one_value(fp8_max, margin, p2):
+    """The CPU path for one value (Python floats) against the tensor formula."""
+    amax = torch.cat([wide(3000).abs(), torch.tensor([0.0, 1e-45, 1e-40, 3e38, 448.0, 7.0])])
+    prev = torch.tensor(0.75)
+    for a in amax:
+        same(E.scale_from_amax(a, prev, fp8_max, margin, p2),
+             R.scale_from_amax(a, prev, fp8_max, margin, p2))
+    same(E.scale_from_amax(amax, prev, fp8_max, margin, p2),
+         R.scale_from_amax(amax, prev, fp8_max, margin, p2))
 
 
 # ---- MXFP8 ---------------------------------------------------------------------------------------
@@ -260,6 +277,10 @@ def test_gemm_blockwise_and_mx(out):
         wd, ws = E.quantize_blockwise(w, torch.float8_e4m3fn, br, 128, False)
         for bias in (None, normal(7, seed=4)):
             same(E.gemm_blockwise(xd, wd, xs, ws, bias, out), R.gemm_blockwise(xd, wd, xs, ws, bias, out))
+    for m, n, k in ((0, 7, 300), (5, 7, 0), (5, 0, 300)):  # empty operands
+        xd, xs = E.quantize_blockwise(normal(m, k), torch.float8_e4m3fn, 1, 128, False)
+        wd, ws = E.quantize_blockwise(normal(n, k), torch.float8_e4m3fn, 1, 128, False)
+        same(E.gemm_blockwise(xd, wd, xs, ws, None, out), R.gemm_blockwise(xd, wd, xs, ws, None, out))
     a, b = normal(40, 96, scale=5.0), normal(24, 96)
     a[3, 7] = float("inf")
     (ad, asc), (bd, bsc) = (E.quantize_mx(t, torch.float8_e4m3fn, 32, -1, False) for t in (a, b))
