@@ -231,6 +231,7 @@ def blockwise_inputs():
     yield normal(384, 256, scale=5.0).t()  # strided
     yield normal(2, 3, 128)
     yield x.to(torch.bfloat16)
+    yield x.t()  # strided, partial blocks, specials
     yield torch.empty(0, 128)
 
 
@@ -272,6 +273,9 @@ def test_gemm(out):
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
 def test_gemm_blockwise_and_mx(out):
     x, w = normal(5, 300, scale=3.0), normal(7, 300)
+    x[1] = 0.0  # -0 products: the sum from zeros makes them +0
+    w[2] = -w[2].abs()
+    x[3, 200] = float("inf")  # a NaN block
     xd, xs = E.quantize_blockwise(x, torch.float8_e4m3fn, 1, 128, False)
     for br in (1, 128):
         wd, ws = E.quantize_blockwise(w, torch.float8_e4m3fn, br, 128, False)
