@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
+from ._philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
 from ._scratch import scratch, scratch_like
 from .formats import E8M0_BIAS, E8M0_NAN, get_format
 
-_MASK32 = 0xFFFFFFFF
 FLT_MAX = torch.finfo(torch.float32).max
 FLT_MIN = torch.finfo(torch.float32).tiny
 
@@ -137,80 +137,8 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Philox4x32-10 (DESIGN.md section 4), in int64 arithmetic so it runs on any device
+# stochastic rounding (DESIGN.md section 4); the random words come from _philox.py
 # ----------------------------------------------------------------------------------------------
-_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
-_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-# Counters per chunk of random_words: bounds the working set (six int64 buffers) while each op
-# stays large enough to run on every intra-op thread.
-_PHILOX_CHUNK = 1 << 18
-
-
-def philox4x32_10(counter, key):
-    """Philox4x32-10. counter: 4 int64 tensors or ints (< 2^32); key: 2 ints. Returns 4 words.
-
-    A 32 x 32-bit product is below 2^64: as int64 it wraps, but its bits are the product, so hi is
-    bits 32-63 (`>> 32`, masked: the shift is arithmetic) and lo bits 0-31. The lo words are
-    carried unmasked (their high bits are garbage) and masked where they meet a multiply."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
-        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]
-        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & _MASK32, p1, ((p0 >> 32) ^ c3 ^ k1) & _MASK32, p0
-    return c0, c1 & _MASK32, c2, c3 & _MASK32
-
-
-def _philox_chunks(n: int, seed: int, offset: int, device):
-    """Yield (first counter, 4 word tensors) for the counters j of flat elements 0..n-1, chunk
-    by chunk. philox4x32_10 with no allocation inside the rounds; c1 and c3 come unmasked."""
-    nc = (n + 3) // 4
-    key = (seed & _MASK32, (seed >> 32) & _MASK32)
-    off = (offset & _MASK32, (offset >> 32) & _MASK32)
-    size = max(1, min(nc, _PHILOX_CHUNK))
-    bufs = [scratch(f"philox{i}", (size,), torch.int64, device) for i in range(6)]
-    for start in range(0, nc, size):
-        m = min(size, nc - start)
-        c0, c1, c2, c3, t0, t1 = (b[:m] for b in bufs)
-        torch.arange(start, start + m, dtype=torch.int64, device=device, out=c0)
-        if start + m > 1 << 32:
-            torch.bitwise_right_shift(c0, 32, out=c1)
-            c0.bitwise_and_(_MASK32)
-        else:
-            c1.zero_()
-        c2.fill_(off[0])
-        c3.fill_(off[1])
-        k0, k1 = key
-        for r in range(10):
-            if r:
-                k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
-            p0, p1 = c0.mul_(_PHILOX_M[0]), c2.mul_(_PHILOX_M[1])
-            n0 = torch.bitwise_right_shift(p1, 32, out=t0).bitwise_xor_(c1).bitwise_xor_(k0)
-            n2 = torch.bitwise_right_shift(p0, 32, out=t1).bitwise_xor_(c3).bitwise_xor_(k1)
-            c0, c1, c2, c3, t0, t1 = n0.bitwise_and_(_MASK32), p1, n2.bitwise_and_(_MASK32), p0, \
-                c1, c3
-        yield start, (c0, c1, c2, c3)
-
-
-def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
-    """The 32-bit random word (as int64) of each flat element 0..n-1."""
-    out = torch.empty(((n + 3) // 4, 4), dtype=torch.int64, device=device)
-    for start, words in _philox_chunks(n, seed, offset, device):
-        for i, w in enumerate(words):
-            torch.bitwise_and(w, _MASK32, out=out[start:start + w.numel(), i])
-    return out.reshape(-1)[:n]
-
-
-def _uniform24(n: int, seed: int, offset: int, device) -> torch.Tensor:
-    """u = (r >> 8) * 2^-24 (float32, exact) for the random word r of each flat element."""
-    out = scratch("uniform", ((n + 3) // 4, 4), torch.float32, device)
-    for start, words in _philox_chunks(n, seed, offset, device):
-        for i, w in enumerate(words):  # (r >> 8) < 2^24 converts to float32 exactly
-            out[start:start + w.numel(), i] = w.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
-    return out.mul_(2.0 ** -24).reshape(-1)[:n]
-
-
 def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int,
                     nan_possible: bool = True) -> torch.Tensor:
     """Stochastic rounding of float32 y (already scaled; a temporary: clobbered) to FP8,
@@ -227,7 +155,7 @@ def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int,
     ulp = ulp.clamp_(min=(fmt.emin + 127) << 23).sub_(fmt.mbits << 23).view(torch.float32)
     k = a.div_(ulp)  # exact: ulp is a power of two and k stays small
     fk = torch.floor(k, out=scratch_like("sr_floor", y))
-    u = _uniform24(y.numel(), seed, offset, y.device).reshape(y.shape)
+    u = uniform24(y.numel(), seed, offset, y.device).reshape(y.shape)
     mag = fk.add_(k.sub_(fk).sub_(u).ceil_()).mul_(ulp).clamp_(max=fmt.max)
     return _cast_in_range(mag.copysign_(y), fmt, nan_possible)  # exact: an FP8 value
 
@@ -337,7 +265,8 @@ _E8M0_TABLES = {}
 
 
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
-    return _e8m0_table(scales.device)[scales.to(torch.int64)]
+    idx = scales.reshape(-1).to(torch.int32)
+    return _e8m0_table(scales.device).index_select(0, idx).view(scales.shape)
 
 
 def _dequantize_mx_f32(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,
