@@ -356,12 +356,30 @@ def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: i
                            power_of_two: bool):
     """quantize_blockwise of a dense float32 [R, C]."""
     amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
-    scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
-    bad = ~torch.isfinite(amax_b)
-    # a block holding NaN or inf: a NaN multiplier makes all its data NaN
-    y = _times_block(x2, torch.where(bad, float("nan"), scale), block_rows, block_cols,
-                     out=scratch_like("cast_y", x2))
-    return _rne_fp8(y, fmt, _maybe(bad.any()), inplace=True), scale_inv
+    if amax_b.device.type == "cpu" and not power_of_two:
+        mult, scale_inv, nan_possible = _block_multipliers(amax_b, fmt)
+    else:
+        scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
+        bad = ~torch.isfinite(amax_b)
+        mult, nan_possible = torch.where(bad, float("nan"), scale), _maybe(bad.any())
+    # a block holding NaN or inf has a NaN multiplier, which makes all its data NaN
+    y = _times_block(x2, mult, block_rows, block_cols, out=scratch_like("cast_y", x2))
+    return _rne_fp8(y, fmt, nan_possible, inplace=True), scale_inv
+
+
+def _block_multipliers(amax_b: torch.Tensor, fmt):
+    """blockwise_scales without power_of_two, in fewer ops: (the data multiplier, NaN for a
+    block holding NaN or inf; scale_inv; whether any block does). amax 0 is replaced by max,
+    which gives 1 for both quotients; amax - amax is 0, or NaN for a bad block."""
+    fmax = torch.full((), fmt.max, dtype=torch.float32)
+    safe = torch.where(amax_b == 0, fmax, amax_b)
+    mult = (fmax / safe).clamp_(max=FLT_MAX)  # a subnormal amax overflows the quotient
+    scale_inv = safe / fmax
+    top = amax_b.max().item() if amax_b.numel() else 0.0
+    if math.isfinite(top):
+        return mult, scale_inv, False
+    bad = ~torch.isfinite(amax_b)  # rare: NaN as the plain formula writes it
+    return mult.add_(amax_b - amax_b), torch.where(bad, float("nan"), scale_inv), True
 
 
 def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,

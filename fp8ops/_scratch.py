@@ -17,7 +17,8 @@ _KEEP_BYTES = 64 << 20  # larger temporaries are allocated each time, not kept
 
 class _Buffers(threading.local):
     def __init__(self):
-        self.by_slot = {}
+        self.base = {}  # (slot, dtype) -> flat buffer
+        self.views = {}  # (slot, dtype, shape, device) -> view of the buffer (shapes repeat)
 
 
 _BUFFERS = _Buffers()
@@ -25,20 +26,23 @@ _BUFFERS = _Buffers()
 
 def scratch(slot: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialized contiguous tensor of `shape` for temporary use under the name `slot`."""
-    device = torch.device(device)
-    n = math.prod(shape)
-    if device.type != "cpu" or n * dtype.itemsize > _KEEP_BYTES:
-        return torch.empty(shape, dtype=dtype, device=device)
     shape = tuple(shape)
-    entry = _BUFFERS.by_slot.get((slot, dtype))
-    if entry is None or entry[0].numel() < n:
-        entry = (torch.empty(n, dtype=dtype), {})  # the buffer and its views by shape
-        _BUFFERS.by_slot[(slot, dtype)] = entry
-    view = entry[1].get(shape)
-    if view is None:  # shapes repeat step after step: keep the view, saving two op calls
-        view = entry[1][shape] = entry[0][:n].view(shape)
+    view = _BUFFERS.views.get((slot, dtype, shape, device))
+    if view is not None:
+        return view
+    n = math.prod(shape)
+    if torch.device(device).type != "cpu" or n * dtype.itemsize > _KEEP_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buf = _BUFFERS.base.get((slot, dtype))
+    if buf is None or buf.numel() < n:
+        buf = _BUFFERS.base[(slot, dtype)] = torch.empty(n, dtype=dtype)
+        for key in [k for k in _BUFFERS.views if k[:2] == (slot, dtype)]:
+            del _BUFFERS.views[key]  # views of the old, smaller buffer
+    if len(_BUFFERS.views) > 4096:  # many distinct shapes: start over rather than grow
+        _BUFFERS.views.clear()
+    view = _BUFFERS.views[(slot, dtype, shape, device)] = buf[:n].view(shape)
     return view
 
 
 def scratch_like(slot: str, t: torch.Tensor, dtype: torch.dtype = None) -> torch.Tensor:
-    return scratch(slot, tuple(t.shape), dtype or t.dtype, t.device)
+    return scratch(slot, t.shape, dtype or t.dtype, t.device)
