@@ -18,6 +18,7 @@ _W = (0x9E3779B9, 0xBB67AE85)
 # Counters per block of work: bounds the working set (six int64 buffers) while each op stays
 # large enough to run on every intra-op thread.
 CHUNK = 1 << 18
+_PARALLEL_MIN = 32768 + 64
 
 
 def philox4x32_10(counter, key):
@@ -78,11 +79,17 @@ def chunks(n: int, seed: int, offset: int, device):
     key = (seed & MASK32, (seed >> 32) & MASK32)
     off = (offset & MASK32, (offset >> 32) & MASK32)
     size = max(1, min(nc, CHUNK))
-    bufs = [scratch(f"philox{i}", (size,), torch.int64, device) for i in range(6)]
+    # torch runs an elementwise op on one thread up to 32768 elements: a block of a few more
+    # counters (their words unused) runs on two, which pays from a quarter of that size
+    pad = torch.get_num_threads() > 1 and _PARALLEL_MIN // 4 < size < _PARALLEL_MIN
+    bufs = [scratch(f"philox{i}", (_PARALLEL_MIN if pad else size,), torch.int64, device)
+            for i in range(6)]
     start = 0
     while start < nc:
-        m = min(size, nc - start, (1 << 32) - (start & MASK32))
-        yield start, _block(start, m, key, off, bufs)
+        room = (1 << 32) - (start & MASK32)
+        m = min(size, nc - start, room)
+        words = _block(start, min(_PARALLEL_MIN, room) if pad else m, key, off, bufs)
+        yield start, [w[:m] for w in words]
         start += m
 
 

@@ -101,6 +101,17 @@ def test_random_words_default_chunks():
     same(E.random_words(n, 99, 12, "cpu"), R.random_words(n, 99, 12, "cpu"))
 
 
+def test_random_words_padded_block():
+    """A block just under the parallel size computes extra counters and drops their words."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = 4 * 20000 + 3
+        same(E.random_words(n, 5, 6, "cpu"), R.random_words(n, 5, 6, "cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("start", [0, 2**31 - 3, 2**32, 2**32 + 5, 2**33 + 2**32 - 7, 2**62])
 def test_philox_block_at_any_counter(start):
     """A block of counters past 2^32 (the second counter word set) against plain Python ints."""
