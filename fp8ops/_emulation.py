@@ -475,13 +475,13 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
 def _epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype):
     """acc is a temporary: the bias is added in place."""
     if bias is not None:
-        acc = acc.add_(bias.float())
-    return acc.to(out_dtype)
+        acc = acc.add_(_f32(bias))
+    return acc if out_dtype == torch.float32 else acc.to(out_dtype)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    alpha = a_scale_inv.float() * b_scale_inv.float()
+    alpha = _f32(a_scale_inv) * _f32(b_scale_inv)
     af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
     return _epilogue((af @ bf.t()).mul_(alpha), bias, out_dtype)
 
