@@ -139,16 +139,18 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # stochastic rounding (DESIGN.md section 4); the random words come from _philox.py
 # ----------------------------------------------------------------------------------------------
-def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int,
-                    nan_possible: bool = True) -> torch.Tensor:
+def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: bool = True,
+                    clamp: bool = True) -> torch.Tensor:
     """Stochastic rounding of float32 y (already scaled; a temporary: clobbered) to FP8,
     DESIGN.md section 4, without masks:
     - ulp = 2^(max(floor(log2|y|), emin) - mbits) comes from |y|'s exponent field; a float32
       subnormal or zero gets emin, the right ulp for the first and harmless for zero;
     - up = (frac > u) is ceil(frac - u): the float32 difference of two values in [0, 1) lies in
       (-1, 1), is zero only when they are equal and never changes sign (ceil gives 1, or +-0);
-    - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway)."""
-    y = y.clamp_(-fmt.max, fmt.max)
+    - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway).
+    clamp=False: the caller knows |y| <= max already."""
+    if clamp:
+        y = y.clamp_(-fmt.max, fmt.max)
     a = torch.abs(y, out=scratch_like("sr_abs", y))
     ulp = torch.bitwise_and(a.view(torch.int32), 0x7F800000,
                             out=scratch_like("sr_ulp", y, torch.int32))
@@ -175,15 +177,20 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
         s = s.reshape(())  # a [1] scale must not broadcast a 0-d x
     x_amax = _abs_max(x)
     y = torch.mul(_f32(x), s, out=scratch_like("cast_y", x, torch.float32))
-    # x * s is NaN only for a NaN or inf in x, or a non-finite s
+    nan_possible = clamp = True
     if x.device.type == "cpu":
-        nan_possible = not (math.isfinite(x_amax.item()) and math.isfinite(s.item()))
-    else:
-        nan_possible = True
+        # x * s is NaN only for a NaN or inf in x, or a non-finite s; and rounding is monotonic,
+        # so no |x * s| exceeds the float32 amax * |s|: when that is within max, the clamp is
+        # the identity
+        a, sv = x_amax.item(), s.item()
+        nan_possible = not (math.isfinite(a) and math.isfinite(sv))
+        clamp = nan_possible or not _round_f32(a * abs(sv)) <= fmt.max
     if stochastic:
-        data = _stochastic_fp8(y, fmt, seed, offset, nan_possible)
-    else:
+        data = _stochastic_fp8(y, fmt, seed, offset, nan_possible, clamp)
+    elif clamp:
         data = _rne_fp8(y, fmt, nan_possible, inplace=True)
+    else:
+        data = _cast_in_range(y, fmt, nan_possible)
     data = data.contiguous()
     if transpose:
         data_t = _as_2d(data).t().clone(memory_format=torch.contiguous_format)

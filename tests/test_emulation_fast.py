@@ -160,6 +160,19 @@ def test_quantize(dtype, stochastic):
                 same(E.quantize(*args), R.quantize(*args))
 
 
+@pytest.mark.parametrize("dtype", F8)
+def test_quantize_at_current_scale(dtype):
+    """scale = max / amax puts amax * scale on max or one float32 step either side of it: the
+    cast skips its clamp only when no element can exceed max."""
+    fmax = E.get_format(dtype).max
+    for i in range(60):
+        x = normal(40, 30, scale=float(10.0 ** (i % 7 - 3)), seed=i)
+        s = torch.tensor(fmax) / x.abs().amax()
+        for stochastic in (False, True):
+            args = (x, s, dtype, True, stochastic, 3, i)
+            same(E.quantize(*args), R.quantize(*args))
+
+
 def test_amax_and_dequantize():
     for x in quantize_inputs():
         same(E.amax(x), R.amax(x))
