@@ -186,8 +186,8 @@ def main():
             f"{info['threads']} threads; GPT n_layer 2, batch {BATCH} x {SEQ} tokens; median "
             f"step of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up "
             f"steps, {args.repeats} measurement(s) per tree (ratios: their median)\n\n"
-            f"`python bench/bench_emulation.py" + (f" --before {args.before}" if args.before else "")
-            + "`\n\n" + table(results, before_rev))
+            f"`python bench/bench_emulation.py{''.join(' ' + a for a in sys.argv[1:])}`\n\n"
+            + table(results, before_rev))
     print("\n" + text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

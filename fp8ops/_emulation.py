@@ -158,7 +158,9 @@ def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: 
     k = a.div_(ulp)  # exact: ulp is a power of two and k stays small
     fk = torch.floor(k, out=scratch_like("sr_floor", y))
     u = uniform24(y.numel(), seed, offset, y.device).reshape(y.shape)
-    mag = fk.add_(k.sub_(fk).sub_(u).ceil_()).mul_(ulp).clamp_(max=fmt.max)
+    # the min(., max) of the rule is the identity: max is on the grid, so rounding |y| <= max
+    # up to the grid stays <= max
+    mag = fk.add_(k.sub_(fk).sub_(u).ceil_()).mul_(ulp)
     return _cast_in_range(mag.copysign_(y), fmt, nan_possible)  # exact: an FP8 value
 
 
