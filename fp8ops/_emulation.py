@@ -428,14 +428,19 @@ def _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two) -> to
     """scale_from_amax of one CPU value in Python floats, a dozen tensor ops cheaper. float32
     products are exact in float64 and a float64 quotient rounds to the float32 one (53 >= 2*24+2
     bits), so each float32 operation is one float64 operation and one rounding."""
-    a = amax.item()
+    s = _scale_value(amax.item(), prev_scale.item(), fp8_max, margin, power_of_two)
+    return torch.tensor(s, dtype=torch.float32)
+
+
+def _scale_value(a: float, prev: float, fp8_max: float, margin: float,
+                 power_of_two: bool) -> float:
     if a == 0 or not math.isfinite(a):
-        return torch.tensor(prev_scale.item(), dtype=torch.float32)
+        return _round_f32(prev)
     s = _round_f32(_round_f32(fp8_max) / _round_f32(a * _round_f32(margin)))
     s = FLT_MAX if math.isinf(s) else FLT_MIN if s == 0 else s
     if power_of_two:
         s = 2.0 ** min(max(math.frexp(s)[1] - 1, -149), 127)
-    return torch.tensor(s, dtype=torch.float32)
+    return s
 
 
 def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_rep: torch.Tensor,
@@ -449,6 +454,17 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     representative amax by `algo` and the new scale. Otherwise everything is returned unchanged.
     Returns (amax_history, scale, scale_inv, amax_rep, pending_amax).
     """
+    f32 = torch.float32
+    if amax_history.device.type == "cpu" and amax_history.dim() == 1 and step.dim() == 0 and \
+            amax_history.dtype == scale.dtype == amax_rep.dtype == pending_amax.dtype == f32 and \
+            scale.dim() == amax_rep.dim() == pending_amax.dim() == 0 and algo in _ALGOS:
+        outs = _delayed_update_host(amax_history.tolist(), scale.item(), amax_rep.item(),
+                                    pending_amax.item(), int(step.item()), fp8_max, margin,
+                                    interval, algo, ema_alpha, percentile, power_of_two)
+        if outs is not None:
+            hist, new_scale, scale_inv, rep, pending = outs
+            return (torch.tensor(hist, dtype=f32), *(torch.tensor(v, dtype=f32)
+                                                     for v in (new_scale, scale_inv, rep, pending)))
     L = amax_history.numel()
     do = (step % interval) == 0
     n_updates = step // interval
@@ -476,6 +492,34 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     new_scale = torch.where(do, new_scale, scale)
     pending = torch.where(do, torch.zeros_like(pending_amax), pending_amax)
     return hist, new_scale, torch.reciprocal(new_scale), rep, pending
+
+
+def _delayed_update_host(hist, scale, rep_prev, pending, step, fp8_max, margin, interval, algo,
+                         ema_alpha, percentile, power_of_two):
+    """delayed_scale_update on Python floats (the float32 arithmetic as in _scale_value), two
+    dozen tensor ops cheaper on CPU. None for a NaN or a -0 anywhere: Python's max and sort treat
+    those differently from torch's."""
+    values = hist + [scale, rep_prev, pending]
+    if any(v != v or (v == 0 and math.copysign(1.0, v) < 0) for v in values) or scale == 0:
+        return None
+    if step % interval:
+        return hist, scale, _round_f32(1.0 / scale), rep_prev, pending
+    n_updates, L = step // interval, len(hist)
+    hist = [pending] + hist[:-1]
+    if algo == "max":
+        rep = max(hist)
+    elif algo == "most_recent":
+        rep = hist[0]
+    elif algo == "ema":
+        a, b = _round_f32(ema_alpha), _round_f32(1.0 - ema_alpha)
+        rep = hist[0] if n_updates <= 1 else \
+            _round_f32(_round_f32(a * hist[0]) + _round_f32(b * rep_prev))
+    else:  # percentile: nearest rank over the filled slots, rank in float64 as the tensor code
+        n = min(max(n_updates, 1), L)
+        rank = min(max(int(math.ceil((percentile / 100.0) * n)), 1), L)
+        rep = sorted(hist)[L - n + rank - 1]
+    new_scale = _scale_value(rep, scale, fp8_max, margin, power_of_two)
+    return hist, new_scale, _round_f32(1.0 / new_scale), rep, 0.0
 
 
 # ----------------------------------------------------------------------------------------------

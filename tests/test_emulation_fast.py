@@ -203,6 +203,28 @@ def test_scale_from_amax_one_value(fp8_max, margin, p2):
          R.scale_from_amax(amax, prev, fp8_max, margin, p2))
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent", "ema", "percentile"])
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize("p2", [False, True])
+def test_delayed_scale_update_host_path(algo, interval, p2):
+    """The CPU path in Python floats against the tensor formula, over a run of updates and
+    histories with zeros, -0, NaN, inf, subnormal and huge amaxes."""
+    g = torch.Generator().manual_seed(7)
+    specials = [0.0, -0.0, float("nan"), float("inf"), 1e-42, 3e38, 1e-30]
+    for trial in range(40):
+        L = [1, 4, 16][trial % 3]
+        hist = torch.rand(L, generator=g) * 10.0 ** float(trial % 9 - 4)
+        if trial % 5 == 4:
+            hist[trial % L] = specials[trial % len(specials)]
+        scale = torch.tensor([1.0, 0.0, 3e-39, 7.5][trial % 4])
+        rep = torch.tensor(float(hist.max()) if trial % 7 else float("nan"))
+        pending = torch.tensor(specials[trial % len(specials)] if trial % 6 == 5 else 2.5 * trial)
+        for step in (0, 1, 2, 3, 6, 17):
+            args = (hist, scale, rep, pending, torch.tensor(step), 448.0, 1.3, interval, algo,
+                    0.1, 90.0, p2)
+            same(E.delayed_scale_update(*args), R.delayed_scale_update(*args))
+
+
 # ---- MXFP8 ---------------------------------------------------------------------------------------
 def mx_inputs():
     x = normal(64, 96, scale=100.0) * torch.logspace(-20, 20, 96)
