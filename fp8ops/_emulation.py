@@ -28,10 +28,15 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 # ----------------------------------------------------------------------------------------------
 # small exact helpers
 # ----------------------------------------------------------------------------------------------
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether t is on the CPU, where reading a value costs nothing. Elsewhere the ops take the
+    plain tensor formulas, which never sync with the host (CUDA graphs)."""
+    return t.device.type == "cpu"
+
+
 def _maybe(flag: torch.Tensor) -> bool:
-    """bool(flag) where reading it costs nothing (CPU); elsewhere True, the safe answer, so that
-    no op syncs with the host (CUDA graphs)."""
-    return flag.device.type != "cpu" or bool(flag)
+    """bool(flag) on the host; elsewhere True, the safe answer."""
+    return not _on_host(flag) or bool(flag)
 
 
 # Smallest magnitude byte (sign bit clear) that is NaN: E4M3 0x7F; E5M2 0x7D-0x7F.
@@ -67,7 +72,7 @@ def _fp8_to_f32(data: torch.Tensor, slot: Optional[str] = None) -> torch.Tensor:
     element falls (vector body or scalar tail). With `slot`, a contiguous input is decoded into
     that scratch buffer (for a result the caller consumes before returning)."""
     fmt = get_format(data.dtype)
-    if data.device.type != "cpu" or data.numel() == 0:
+    if not _on_host(data) or data.numel() == 0:
         return data.float()
     u8 = data.view(torch.uint8)
     if int(torch.bitwise_and(u8, 0x7F, out=scratch_like("fp8_mag", u8)).max()) >= \
@@ -112,7 +117,7 @@ def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
         return torch.abs(x.float(), out=scratch_like("abs", x, torch.float32)).amax(dim=dim)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    if x.device.type == "cpu":
+    if _on_host(x):
         # max(max x, -min x) reads x twice but writes no |x|; exact, as max and negation are.
         # NaN: the plain way below, for its bits.
         hi, lo = x.amax().item(), x.amin().item()
@@ -180,7 +185,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     x_amax = _abs_max(x)
     y = torch.mul(_f32(x), s, out=scratch_like("cast_y", x, torch.float32))
     nan_possible = clamp = True
-    if x.device.type == "cpu":
+    if _on_host(x):
         # x * s is NaN only for a NaN or inf in x, or a non-finite s; and rounding is monotonic,
         # so no |x * s| exceeds the float32 amax * |s|: when that is within max, the clamp is
         # the identity
@@ -240,7 +245,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
     mult = (127 - e).bitwise_left_shift_(23).bitwise_or_(bad * 0x7FC00000)
     y = torch.mul(xb, mult.view(torch.float32).unsqueeze(axis + 1),
                   out=scratch_like("cast_y", xb))
-    nan_possible = bad.device.type != "cpu" or (bad.numel() > 0 and int(bad.max()) > 0)
+    nan_possible = not _on_host(bad) or (bad.numel() > 0 and int(bad.max()) > 0)
     data = _rne_fp8(y, fmt, nan_possible, inplace=True).reshape(x.shape)
     scales = (e + E8M0_BIAS).bitwise_or_(bad * E8M0_NAN).to(torch.uint8)
     return data.contiguous(), scales.contiguous()
@@ -365,7 +370,7 @@ def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: i
                            power_of_two: bool):
     """quantize_blockwise of a dense float32 [R, C]."""
     amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
-    if amax_b.device.type == "cpu" and not power_of_two:
+    if _on_host(amax_b) and not power_of_two:
         mult, scale_inv, nan_possible = _block_multipliers(amax_b, fmt)
     else:
         scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
@@ -409,7 +414,7 @@ def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float
     """scale = max / (amax * margin); unchanged for amax 0 or non-finite; inf -> FLT_MAX;
     0 (amax * margin overflowed) -> FLT_MIN; power_of_two rounds down to a power of two."""
     # (callers outside the ops, such as current_scale, may be traced by torch.compile)
-    if amax.device.type == "cpu" and amax.dim() == 0 and prev_scale.dim() == 0 and \
+    if _on_host(amax) and amax.dim() == 0 and prev_scale.dim() == 0 and \
             not torch.compiler.is_compiling():
         return _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two)
     amax = amax.float()
@@ -455,7 +460,7 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     Returns (amax_history, scale, scale_inv, amax_rep, pending_amax).
     """
     f32 = torch.float32
-    if amax_history.device.type == "cpu" and amax_history.dim() == 1 and step.dim() == 0 and \
+    if _on_host(amax_history) and amax_history.dim() == 1 and step.dim() == 0 and \
             amax_history.dtype == scale.dtype == amax_rep.dtype == pending_amax.dtype == f32 and \
             scale.dim() == amax_rep.dim() == pending_amax.dim() == 0 and algo in _ALGOS:
         outs = _delayed_update_host(amax_history.tolist(), scale.item(), amax_rep.item(),

@@ -14,6 +14,14 @@ F8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 NAN_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA00000]
 
 
+@pytest.fixture(autouse=True, params=["cpu paths", "device paths"])
+def _paths(request, monkeypatch):
+    """Every test twice: as on the CPU, and through the branches other devices take (no host
+    reads), which must agree with the reference too."""
+    if request.param == "device paths":
+        monkeypatch.setattr(E, "_on_host", lambda t: False)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of t as integers, so that NaN compares by its bits."""
     t = t.contiguous()
