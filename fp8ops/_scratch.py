@@ -2,8 +2,9 @@
 
 An op's intermediate tensors of a few MB cost more in page faults (the allocator hands freed
 memory back to the OS and takes fresh pages next time) than the pass that fills them. A buffer
-per (thread, slot, dtype) is kept and handed out again. Only an op's internals use these: no
-output is ever a scratch tensor, and each slot has one live user at a time.
+per (thread, slot, dtype) is kept and handed out again (at most 16 MiB each: at the training
+demo's sizes the process keeps a few tens of MB). Only an op's internals use these: no output
+is ever a scratch tensor, and each slot has one live user at a time.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 
 import torch
 
-_KEEP_BYTES = 64 << 20  # larger temporaries are allocated each time, not kept
+_KEEP_BYTES = 16 << 20  # larger temporaries are allocated each time, not kept
 
 
 class _Buffers(threading.local):
