@@ -108,5 +108,6 @@ def uniform24(n: int, seed: int, offset: int, device) -> torch.Tensor:
     for start, words in chunks(n, seed, offset, device):
         for i, w in enumerate(words):  # (r >> 8) < 2^24 converts to float32 exactly
             w = w.bitwise_right_shift_(8)
-            out[start:start + w.numel(), i] = w if i % 2 == 0 else w.bitwise_and_(0xFFFFFF)
-    return out.mul_(2.0 ** -24).reshape(-1)[:n]
+            torch.mul(w if i % 2 == 0 else w.bitwise_and_(0xFFFFFF), 2.0 ** -24,
+                      out=out[start:start + w.numel(), i])
+    return out.reshape(-1)[:n]
