@@ -2,8 +2,9 @@
 on the training demo's model, measured side by side in one process.
 
 Each configuration builds the demo's GPT once per recipe (same seed and batches as
-examples/train_gpt.py), runs warm-up steps, then rounds in which every recipe times a few
-training steps (forward, backward, clip, AdamW step; the demo's step), in a rotating order so
+examples/train_gpt.py), runs warm-up steps, then rounds in which every recipe runs one
+untimed step (caches are cold after another model ran; the demo runs each recipe alone) and
+times a few more (forward, backward, clip, AdamW step; the demo's step), in a rotating order so
 that no recipe always runs after the same neighbour. A recipe's step time is the median over
 all rounds; its ratio is baseline step time / its step time (>= 1 would be as fast as float32).
 
@@ -80,6 +81,7 @@ def measure(tree: str, config: dict, rounds: int, steps: int, warmup: int, threa
     for r in range(rounds):
         order = RECIPES[r % len(RECIPES):] + RECIPES[:r % len(RECIPES)]
         for name in order:
+            runs[name]()  # untimed: the first step after another model's runs on cold caches
             for _ in range(steps):
                 t0 = time.perf_counter()
                 runs[name]()
@@ -184,8 +186,9 @@ def main():
     text = (f"# CPU emulation: training tokens/s against the float32 baseline\n\n"
             f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, torch {info['torch']}, "
             f"{info['threads']} threads; GPT n_layer 2, batch {BATCH} x {SEQ} tokens; median "
-            f"step of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up "
-            f"steps, {args.repeats} measurement(s) per tree (ratios: their median)\n\n"
+            f"step of {args.rounds} rounds x {args.steps} steps (each block after one untimed step) "
+            f"after {args.warmup} warm-up steps, {args.repeats} measurement(s) per tree (ratios: "
+            f"their median)\n\n"
             f"`python bench/bench_emulation.py{''.join(' ' + a for a in sys.argv[1:])}`\n\n"
             + table(results, before_rev))
     print("\n" + text)
