@@ -184,10 +184,11 @@ def main():
                 print(f"{cfg}: measured", flush=True)
     info = results[names[0]]["after"][0]
     text = (f"# CPU emulation: training tokens/s against the float32 baseline\n\n"
-            f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, torch {info['torch']}, "
-            f"{info['threads']} threads; GPT n_layer 2, batch {BATCH} x {SEQ} tokens; median "
-            f"step of {args.rounds} rounds x {args.steps} steps (each block after one untimed step) "
-            f"after {args.warmup} warm-up steps, {args.repeats} measurement(s) per tree (ratios: "
+            f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, "
+            f"torch {info['torch']}, {info['threads']} threads; GPT n_layer 2, batch {BATCH} x "
+            f"{SEQ} tokens; median step of {args.rounds} rounds x {args.steps} steps (each block "
+            f"after one untimed step) after {args.warmup} warm-up steps, {args.repeats} "
+            f"measurement(s) per tree (ratios: "
             f"their median)\n\n"
             f"`python bench/bench_emulation.py{''.join(' ' + a for a in sys.argv[1:])}`\n\n"
             + table(results, before_rev))

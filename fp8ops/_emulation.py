@@ -97,12 +97,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _floor_log2(a: torch.Tensor) -> torch.Tensor:
-    """floor(log2(a)) for finite a > 0 (int32), exact for subnormals too."""
-    _, e = torch.frexp(a)  # a = m * 2^e with m in [0.5, 1)
-    return e - 1
-
-
 def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
     """2^e as float32 for integer e in [-149, 127], built from bits (exact)."""
     e = e.to(torch.int32)
@@ -240,7 +234,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
     xb = _split_axis(_f32(x), block_size, axis)
     amax_b = _abs_max(xb, dim=axis + 1)  # scales' shape: x's with axis divided by the block
     e, bad = _mx_exponent_bits(amax_b, fmt, rceil)
-    # 2^-e from its bits (e <= 127 - emax + 1, so 2^-e is normal); a block holding NaN or inf
+    # 2^-e from its bits (-127 <= e <= 128 - emax, so 2^-e is normal); a block holding NaN or inf
     # (bad = 1) gets a NaN multiplier, which makes all its data NaN
     mult = (127 - e).bitwise_left_shift_(23).bitwise_or_(bad * 0x7FC00000)
     y = torch.mul(xb, mult.view(torch.float32).unsqueeze(axis + 1),

@@ -25,7 +25,8 @@ def _paths(request, monkeypatch):
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of t as integers, so that NaN compares by its bits."""
     t = t.contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
 
 
 def same(a, b):
@@ -35,8 +36,9 @@ def same(a, b):
             same(x, y)
         return
     assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+    # the same layout (the stride of a size-1 dim is moot)
     assert [st for st, n in zip(a.stride(), a.shape) if n > 1] == \
-        [st for st, n in zip(b.stride(), b.shape) if n > 1]  # the layout (a size-1 dim's stride is moot)
+        [st for st, n in zip(b.stride(), b.shape) if n > 1]
     assert torch.equal(bits(a), bits(b))
 
 
@@ -140,7 +142,8 @@ def test_philox_tensor_and_int_counters():
     c[0][:4] = torch.tensor([0, 2**32 - 1, 2**31, 2**31 - 1])
     for key in ((0, 0), (2**32 - 1, 2**32 - 1), (0xA4093822, 0x299F31D0)):
         same(E.philox4x32_10(c, key), R.philox4x32_10(c, key))
-        assert E.philox4x32_10((5, 0, 2**32 - 1, 3), key) == R.philox4x32_10((5, 0, 2**32 - 1, 3), key)
+        ints = (5, 0, 2**32 - 1, 3)
+        assert E.philox4x32_10(ints, key) == R.philox4x32_10(ints, key)
 
 
 # ---- per-tensor ----------------------------------------------------------------------------------
@@ -351,16 +354,19 @@ def test_gemm_blockwise_and_mx(out):
     for br in (1, 128):
         wd, ws = E.quantize_blockwise(w, torch.float8_e4m3fn, br, 128, False)
         for bias in (None, normal(7, seed=4)):
-            same(E.gemm_blockwise(xd, wd, xs, ws, bias, out), R.gemm_blockwise(xd, wd, xs, ws, bias, out))
+            same(E.gemm_blockwise(xd, wd, xs, ws, bias, out),
+                 R.gemm_blockwise(xd, wd, xs, ws, bias, out))
     for m, n, k in ((0, 7, 300), (5, 7, 0), (5, 0, 300)):  # empty operands
         xd, xs = E.quantize_blockwise(normal(m, k), torch.float8_e4m3fn, 1, 128, False)
         wd, ws = E.quantize_blockwise(normal(n, k), torch.float8_e4m3fn, 1, 128, False)
-        same(E.gemm_blockwise(xd, wd, xs, ws, None, out), R.gemm_blockwise(xd, wd, xs, ws, None, out))
+        same(E.gemm_blockwise(xd, wd, xs, ws, None, out),
+             R.gemm_blockwise(xd, wd, xs, ws, None, out))
     a, b = normal(40, 96, scale=5.0), normal(24, 96)
     a[3, 7] = float("inf")
     (ad, asc), (bd, bsc) = (E.quantize_mx(t, torch.float8_e4m3fn, 32, -1, False) for t in (a, b))
     for bias in (None, normal(24, seed=5)):
         same(E.gemm_mx(ad, asc, bd, bsc, bias, out, 32), R.gemm_mx(ad, asc, bd, bsc, bias, out, 32))
-    (ad, asc), (bd, bsc) = (E.quantize_mx(t, torch.float8_e4m3fn, 32, 0, False) for t in (a.t(), b.t()))
+    (ad, asc), (bd, bsc) = (E.quantize_mx(t, torch.float8_e4m3fn, 32, 0, False)
+                            for t in (a.t(), b.t()))
     same(E.gemm_mx(ad.t(), asc.t(), bd.t(), bsc.t(), None, out, 32),
          R.gemm_mx(ad.t(), asc.t(), bd.t(), bsc.t(), None, out, 32))
