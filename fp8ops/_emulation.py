@@ -3,17 +3,24 @@
 Each function has the same signature as its op in ops.py and runs on any device. The numerics are
 those of DESIGN.md sections 3-5: one float32 multiply by the scale, clamp (so +-inf saturate and
 torch's version-dependent overflow never matters), round to nearest even, NaN written as 0x7F.
+
+The full-size passes avoid boolean masks (torch.where, isnan, comparisons): on CPU those run an
+order of magnitude slower than arithmetic. Masks stay on the small per-block and per-tensor
+tensors; NaN is carried by arithmetic (a NaN scale) and canonicalized on the bytes. Each rewrite is
+exact, and tests/test_emulation_fast.py checks it byte for byte against the plain formulation.
 """
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional
 
 import torch
 
-from .formats import E8M0_BIAS, E8M0_NAN, NAN_BYTE, get_format
+from ._philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
+from ._scratch import scratch, scratch_like
+from .formats import E8M0_BIAS, E8M0_NAN, get_format
 
-_MASK32 = 0xFFFFFFFF
 FLT_MAX = torch.finfo(torch.float32).max
 FLT_MIN = torch.finfo(torch.float32).tiny
 
@@ -21,18 +28,73 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 # ----------------------------------------------------------------------------------------------
 # small exact helpers
 # ----------------------------------------------------------------------------------------------
-def _rne_fp8(y: torch.Tensor, fmt) -> torch.Tensor:
-    """float32 -> FP8, saturating round to nearest even; NaN becomes the canonical 0x7F byte."""
-    y = y.clamp(-fmt.max, fmt.max)  # NaN passes through clamp
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether t is on the CPU, where reading a value costs nothing. Elsewhere the ops take the
+    plain tensor formulas, which never sync with the host (CUDA graphs)."""
+    return t.device.type == "cpu"
+
+
+def _maybe(flag: torch.Tensor) -> bool:
+    """bool(flag) on the host; elsewhere True, the safe answer."""
+    return not _on_host(flag) or bool(flag)
+
+
+# Smallest magnitude byte (sign bit clear) that is NaN: E4M3 0x7F; E5M2 0x7D-0x7F.
+_FIRST_NAN = {"e4m3": 0x7F, "e5m2": 0x7D}
+
+
+def _canonical_nan_bytes(q: torch.Tensor, fmt) -> torch.Tensor:
+    """Every NaN byte of q (uint8, modified in place) becomes 0x7F, in integer ops only."""
+    h = (q & 0x7F).add_(0x80 - _FIRST_NAN[fmt.name]).bitwise_and_(0x80)  # 0x80 iff NaN
+    return q.bitwise_or_(h - (h >> 7)).bitwise_and_(h ^ 0xFF)  # NaN: (q | 0x7F) & 0x7F
+
+
+def _rne_fp8(y: torch.Tensor, fmt, nan_possible: bool = True,
+             inplace: bool = False) -> torch.Tensor:
+    """float32 -> FP8, saturating round to nearest even; NaN becomes the canonical 0x7F byte.
+    nan_possible=False skips the NaN pass when the caller knows y has none; inplace clamps y."""
+    y = y.clamp_(-fmt.max, fmt.max) if inplace else y.clamp(-fmt.max, fmt.max)  # NaN passes
+    return _cast_in_range(y, fmt, nan_possible)
+
+
+def _cast_in_range(y: torch.Tensor, fmt, nan_possible: bool = True) -> torch.Tensor:
+    """_rne_fp8 of a y already within +-max (or NaN): no clamp."""
     q = y.to(fmt.dtype)
-    return torch.where(torch.isnan(y), torch.full_like(q.view(torch.uint8), NAN_BYTE),
-                       q.view(torch.uint8)).view(fmt.dtype)
+    if nan_possible:
+        q = _canonical_nan_bytes(q.view(torch.uint8), fmt).view(fmt.dtype)
+    return q
 
 
-def _floor_log2(a: torch.Tensor) -> torch.Tensor:
-    """floor(log2(a)) for finite a > 0 (int32), exact for subnormals too."""
-    _, e = torch.frexp(a)  # a = m * 2^e with m in [0.5, 1)
-    return e - 1
+def _fp8_to_f32(data: torch.Tensor, slot: Optional[str] = None) -> torch.Tensor:
+    """FP8 -> float32, bit for bit what data.float() gives (layout too), several times faster on
+    CPU: both formats are exact in float16, whose conversion is vectorized. Data holding NaN bytes
+    takes data.float(): torch's float16 conversion gives a NaN payload that depends on where the
+    element falls (vector body or scalar tail). With `slot`, a contiguous input is decoded into
+    that scratch buffer (for a result the caller consumes before returning)."""
+    fmt = get_format(data.dtype)
+    if not _on_host(data) or data.numel() == 0:
+        return data.float()
+    u8 = data.view(torch.uint8)
+    if int(torch.bitwise_and(u8, 0x7F, out=scratch_like("fp8_mag", u8)).max()) >= \
+            _FIRST_NAN[fmt.name]:
+        return data.float()
+    if slot is not None and data.is_contiguous():
+        h = scratch_like("fp8_half", data, torch.int16)
+        out = scratch_like(slot, data, torch.float32)
+    else:  # same layout as data.float()
+        h = torch.empty_like(data, dtype=torch.int16)
+        out = torch.empty_like(data, dtype=torch.float32)
+    if fmt.name == "e5m2":  # E5M2 is the top byte of a float16
+        return out.copy_(h.copy_(u8).bitwise_left_shift_(8).view(torch.float16))
+    # E4M3 s.eeee.mmm -> float16 s.0eeee.mmm0000000, which is the value times 2^-8 (subnormals
+    # too). The sign-extended int8 shifted by 7 sets bit 14 for negative bytes: cleared by the mask.
+    h.copy_(data.view(torch.int8)).bitwise_left_shift_(7).bitwise_and_(-0x4001)
+    return out.copy_(h.view(torch.float16)).mul_(256.0)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """t.float() without an op call when t already is float32."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
@@ -45,12 +107,25 @@ def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
 
 def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| as float32; NaN wins over everything, empty gives 0."""
-    a = x.float().abs()
-    if dim is None:
-        if a.numel() == 0:
-            return torch.zeros((), dtype=torch.float32, device=x.device)
-        return a.amax()
-    return a.amax(dim=dim)
+    if dim is not None:
+        return torch.abs(x.float(), out=scratch_like("abs", x, torch.float32)).amax(dim=dim)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if _on_host(x):
+        # max(max x, -min x) reads x twice but writes no |x|; exact, as max and negation are.
+        # NaN: the plain way below, for its bits.
+        hi, lo = x.amax().item(), x.amin().item()
+        if hi == hi and lo == lo:
+            return torch.tensor(abs(max(hi, -lo)), dtype=torch.float32)
+    return x.float().abs().amax()
+
+
+def _round_f32(v: float) -> float:
+    """The float32 nearest to the Python float v (ties to even, overflow to inf)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -61,58 +136,31 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Philox4x32-10 (DESIGN.md section 4), in int64 arithmetic so it runs on any device
+# stochastic rounding (DESIGN.md section 4); the random words come from _philox.py
 # ----------------------------------------------------------------------------------------------
-_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
-_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-
-
-def _mulhilo32(a, m: int):
-    """(hi, lo) 32-bit halves of a * m without int64 overflow (a < 2^32 split into 16-bit halves)."""
-    p_lo = (a & 0xFFFF) * m  # < 2^48
-    p_hi = (a >> 16) * m  # < 2^48
-    mid = ((p_hi & 0xFFFF) << 16) + p_lo  # < 2^49
-    return ((p_hi >> 16) + (mid >> 32)) & _MASK32, mid & _MASK32
-
-
-def philox4x32_10(counter, key):
-    """Philox4x32-10. counter: 4 int64 tensors or ints (< 2^32); key: 2 ints. Returns 4 words."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
-        hi0, lo0 = _mulhilo32(c0, _PHILOX_M[0])
-        hi1, lo1 = _mulhilo32(c2, _PHILOX_M[1])
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
-
-
-def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
-    """The 32-bit random word (as int64) of each flat element 0..n-1."""
-    j = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)
-    counter = (j & _MASK32, j >> 32, offset & _MASK32, (offset >> 32) & _MASK32)
-    words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
-    words = [w if torch.is_tensor(w) else torch.full_like(j, w) for w in words]
-    return torch.stack(words, dim=1).reshape(-1)[:n]
-
-
-def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int) -> torch.Tensor:
-    """Stochastic rounding of float32 y (already scaled) to FP8, DESIGN.md section 4."""
-    y = y.clamp(-fmt.max, fmt.max)
-    r = random_words(y.numel(), seed, offset, y.device).reshape(y.shape)
-    u = (r >> 8).to(torch.float32) * 2.0 ** -24
-    a = y.abs()
-    nonzero = a > 0
-    e = torch.where(nonzero, _floor_log2(torch.where(nonzero, a, 1.0)), 0)
-    ulp = _exp2_f32(torch.clamp(e, min=fmt.emin) - fmt.mbits)
-    k = a / ulp  # exact: ulp is a power of two and k stays small
-    fk = torch.floor(k)
-    up = (k - fk) > u
-    fmax = torch.full((), fmt.max, dtype=torch.float32, device=y.device)
-    mag = torch.minimum((fk + up.to(torch.float32)) * ulp, fmax)
-    res = torch.where(nonzero, torch.copysign(mag, y), y)  # keeps signed zero and NaN
-    return _rne_fp8(res, fmt)  # exact: res is already an FP8 value (or NaN)
+def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: bool = True,
+                    clamp: bool = True) -> torch.Tensor:
+    """Stochastic rounding of float32 y (already scaled; a temporary: clobbered) to FP8,
+    DESIGN.md section 4, without masks:
+    - ulp = 2^(max(floor(log2|y|), emin) - mbits) comes from |y|'s exponent field; a float32
+      subnormal or zero gets emin, the right ulp for the first and harmless for zero;
+    - up = (frac > u) is ceil(frac - u): the float32 difference of two values in [0, 1) lies in
+      (-1, 1), is zero only when they are equal and never changes sign (ceil gives 1, or +-0);
+    - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway).
+    clamp=False: the caller knows |y| <= max already."""
+    if clamp:
+        y = y.clamp_(-fmt.max, fmt.max)
+    a = torch.abs(y, out=scratch_like("sr_abs", y))
+    ulp = torch.bitwise_and(a.view(torch.int32), 0x7F800000,
+                            out=scratch_like("sr_ulp", y, torch.int32))
+    ulp = ulp.clamp_(min=(fmt.emin + 127) << 23).sub_(fmt.mbits << 23).view(torch.float32)
+    k = a.div_(ulp)  # exact: ulp is a power of two and k stays small
+    fk = torch.floor(k, out=scratch_like("sr_floor", y))
+    u = uniform24(y.numel(), seed, offset, y.device).reshape(y.shape)
+    # the min(., max) of the rule is the identity: max is on the grid, so rounding |y| <= max
+    # up to the grid stays <= max
+    mag = fk.add_(k.sub_(fk).sub_(u).ceil_()).mul_(ulp)
+    return _cast_in_range(mag.copysign_(y), fmt, nan_possible)  # exact: an FP8 value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,27 +173,44 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0):
     fmt = get_format(dtype)
-    y = x.float() * scale.float().reshape(())  # a [1] scale must not broadcast a 0-d x
-    data = _stochastic_fp8(y, fmt, seed, offset) if stochastic else _rne_fp8(y, fmt)
+    s = _f32(scale)
+    if s.dim():
+        s = s.reshape(())  # a [1] scale must not broadcast a 0-d x
+    x_amax = _abs_max(x)
+    y = torch.mul(_f32(x), s, out=scratch_like("cast_y", x, torch.float32))
+    nan_possible = clamp = True
+    if _on_host(x):
+        # x * s is NaN only for a NaN or inf in x, or a non-finite s; and rounding is monotonic,
+        # so no |x * s| exceeds the float32 amax * |s|: when that is within max, the clamp is
+        # the identity
+        a, sv = x_amax.item(), s.item()
+        nan_possible = not (math.isfinite(a) and math.isfinite(sv))
+        clamp = nan_possible or not _round_f32(a * abs(sv)) <= fmt.max
+    if stochastic:
+        data = _stochastic_fp8(y, fmt, seed, offset, nan_possible, clamp)
+    elif clamp:
+        data = _rne_fp8(y, fmt, nan_possible, inplace=True)
+    else:
+        data = _cast_in_range(y, fmt, nan_possible)
     data = data.contiguous()
     if transpose:
         data_t = _as_2d(data).t().clone(memory_format=torch.contiguous_format)
     else:
         data_t = data.new_empty((0,))
-    return data, data_t, _abs_max(x)
+    return data, data_t, x_amax
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scale_inv.float().reshape(())).to(out_dtype).contiguous()
+    return _fp8_to_f32(data).mul_(scale_inv.float().reshape(())).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
 # MXFP8 (DESIGN.md section 5)
 # ----------------------------------------------------------------------------------------------
-def _blocks_last(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
-    """Move axis last and split it into (n_blocks, block_size)."""
-    xt = x.movedim(axis, -1)
-    return xt.reshape(*xt.shape[:-1], xt.shape[-1] // block_size, block_size)
+def _split_axis(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
+    """Split `axis` into (n_blocks, block_size) in place: a view, with no data movement."""
+    return x.reshape(*x.shape[:axis], x.shape[axis] // block_size, block_size,
+                     *x.shape[axis + 1:])
 
 
 def mx_exponent(amax_block: torch.Tensor, fmt, rceil: bool) -> torch.Tensor:
@@ -166,44 +231,97 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
         raise ValueError(f"quantize_mx: axis {axis} must exist and its length must be a multiple "
                          f"of block_size {block_size}; got shape {tuple(x.shape)}")
     axis = axis % x.dim()
-    xb = _blocks_last(x.float(), block_size, axis)
-    amax_b = _abs_max(xb, dim=-1)
-    bad = ~torch.isfinite(amax_b)
-    e = mx_exponent(amax_b, fmt, rceil)
-    y = xb * _exp2_f32(-e).unsqueeze(-1)
-    y = torch.where(bad.unsqueeze(-1), torch.full_like(y, float("nan")), y)
-    data = _rne_fp8(y, fmt).reshape(*xb.shape[:-2], xb.shape[-2] * block_size).movedim(-1, axis)
-    scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8).movedim(-1, axis)
+    xb = _split_axis(_f32(x), block_size, axis)
+    amax_b = _abs_max(xb, dim=axis + 1)  # scales' shape: x's with axis divided by the block
+    e, bad = _mx_exponent_bits(amax_b, fmt, rceil)
+    # 2^-e from its bits (-127 <= e <= 128 - emax, so 2^-e is normal); a block holding NaN or inf
+    # (bad = 1) gets a NaN multiplier, which makes all its data NaN
+    mult = (127 - e).bitwise_left_shift_(23).bitwise_or_(bad * 0x7FC00000)
+    y = torch.mul(xb, mult.view(torch.float32).unsqueeze(axis + 1),
+                  out=scratch_like("cast_y", xb))
+    nan_possible = not _on_host(bad) or (bad.numel() > 0 and int(bad.max()) > 0)
+    data = _rne_fp8(y, fmt, nan_possible, inplace=True).reshape(x.shape)
+    scales = (e + E8M0_BIAS).bitwise_or_(bad * E8M0_NAN).to(torch.uint8)
     return data.contiguous(), scales.contiguous()
 
 
+def _mx_exponent_bits(amax_b: torch.Tensor, fmt, rceil: bool):
+    """(mx_exponent, 1 where the block holds NaN or inf else 0) from the bits of amax >= 0, in
+    integer ops: floor(log2 amax) is the exponent field minus 127 (a subnormal or zero amax
+    clamps to -127 either way) and RCEIL's mantissa > 1.75 is a fraction field > 0x600000.
+    For a bad block the exponent is meaningless (its scale byte and data are NaN)."""
+    bits = amax_b.view(torch.int32)
+    field = (bits >> 23).bitwise_and_(0xFF)  # masked: a NaN amax may come back with its sign set
+    e = field - (127 + fmt.emax)
+    if rceil:
+        e.add_((bits & 0x7FFFFF).add_(0x800000 - 0x600001).bitwise_right_shift_(23))
+    return e.clamp_(-E8M0_BIAS, E8M0_BIAS), field.add_(1).bitwise_right_shift_(8)
+
+
+def _e8m0_table(device) -> torch.Tensor:
+    """2^(byte - 127) for every byte, from its bits: byte << 23, and bit 22 for byte 0 (the
+    subnormal 2^-127) and byte 0xFF (which makes the canonical NaN 0x7FC00000)."""
+    table = _E8M0_TABLES.get(device)
+    if table is None:
+        b = torch.arange(256, dtype=torch.int32)
+        edge = ((b == 0) | (b == E8M0_NAN)).to(torch.int32)
+        table = _E8M0_TABLES[device] = ((b << 23) | (edge << 22)).view(torch.float32).to(device)
+    return table
+
+
+_E8M0_TABLES = {}
+
+
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
-    s = _exp2_f32(scales.to(torch.int32) - E8M0_BIAS)
-    return torch.where(scales == E8M0_NAN, float("nan"), s)
+    idx = scales.reshape(-1).to(torch.int32)
+    return _e8m0_table(scales.device).index_select(0, idx).view(scales.shape)
+
+
+def _dequantize_mx_f32(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,
+                       slot: Optional[str] = None) -> torch.Tensor:
+    """dequantize_mx to float32, contiguous; into scratch `slot` when given."""
+    axis = axis % data.dim()
+    if not data.is_contiguous():  # bytes first: cheaper to transpose as FP8 than as float32
+        data = scratch_like("mx_bytes", data).copy_(data) if slot else data.contiguous()
+    xb = _split_axis(_fp8_to_f32(data, slot), block_size, axis)
+    return xb.mul_(e8m0_to_float(scales).unsqueeze(axis + 1)).reshape(data.shape)
 
 
 def dequantize_mx(data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    axis = axis % data.dim()
-    xb = _blocks_last(data.float(), block_size, axis)
-    s = e8m0_to_float(scales).movedim(axis, -1).unsqueeze(-1)
-    flat = (xb * s).reshape(*xb.shape[:-2], xb.shape[-2] * block_size)
-    return flat.movedim(-1, axis).to(out_dtype).contiguous()
+    return _dequantize_mx_f32(data, scales, block_size, axis).to(out_dtype).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
 # Blockwise (DeepSeek-V3 style, DESIGN.md section 5)
 # ----------------------------------------------------------------------------------------------
 def _tiles(x2: torch.Tensor, br: int, bc: int, fill: float) -> torch.Tensor:
-    """[R, C] -> [Rb, br, Cb, bc], padding the last partial blocks with `fill`."""
+    """[R, C] -> [Rb, br, Cb, bc], padding the last partial blocks with `fill` (a view when
+    there is nothing to pad)."""
     R, C = x2.shape
     Rb, Cb = -(-R // br), -(-C // bc)
-    padded = torch.nn.functional.pad(x2, (0, Cb * bc - C, 0, Rb * br - R), value=fill)
-    return padded.reshape(Rb, br, Cb, bc)
+    if Rb * br != R or Cb * bc != C:
+        x2 = torch.nn.functional.pad(x2, (0, Cb * bc - C, 0, Rb * br - R), value=fill)
+    return x2.reshape(Rb, br, Cb, bc)
 
 
 def _expand_tiles(s: torch.Tensor, br: int, bc: int, R: int, C: int) -> torch.Tensor:
     return s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
+
+
+def _times_block(x2: torch.Tensor, s: torch.Tensor, br: int, bc: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x2 [R, C] times the value of s [Rb, Cb] for each element's block (one float32 multiply
+    each); broadcast over a tiled view when the blocks divide x2, so s is never expanded.
+    `out`: a contiguous [R, C] tensor of the result's dtype to write into."""
+    R, C = x2.shape
+    Rb, Cb = s.shape
+    if Rb * br != R or Cb * bc != C:
+        return torch.mul(x2, _expand_tiles(s, br, bc, R, C), out=out)
+    if out is None:
+        return (x2.reshape(Rb, br, Cb, bc) * s[:, None, :, None]).reshape(R, C)
+    torch.mul(x2.reshape(Rb, br, Cb, bc), s[:, None, :, None], out=out.view(Rb, br, Cb, bc))
+    return out
 
 
 def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
@@ -229,21 +347,54 @@ def blockwise_scales(amax_b: torch.Tensor, fmt, power_of_two: bool):
 def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, block_cols: int,
                        power_of_two: bool):
     fmt = get_format(dtype)
-    x2 = _as_2d(x.float())
-    R, C = x2.shape
+    x2 = _as_2d(_f32(x))
+    if not x2.is_contiguous() and x2.t().is_contiguous():
+        # the transpose of a dense [C, R]: quantize that with the blocks transposed (the same
+        # blocks, element for element), then transpose the FP8 bytes rather than the floats
+        data_t, scale_inv_t = _quantize_blockwise_2d(x2.t(), fmt, block_cols, block_rows,
+                                                     power_of_two)
+        return data_t.t().contiguous().reshape(x.shape), scale_inv_t.t().contiguous()
+    if not x2.is_contiguous():
+        x2 = scratch_like("bw_x", x2).copy_(x2)
+    data, scale_inv = _quantize_blockwise_2d(x2, fmt, block_rows, block_cols, power_of_two)
+    return data.reshape(x.shape).contiguous(), scale_inv
+
+
+def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: int,
+                           power_of_two: bool):
+    """quantize_blockwise of a dense float32 [R, C]."""
     amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
-    scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
-    y = x2 * _expand_tiles(scale, block_rows, block_cols, R, C)
-    bad = _expand_tiles(~torch.isfinite(amax_b), block_rows, block_cols, R, C)
-    y = torch.where(bad, float("nan"), y)
-    return _rne_fp8(y, fmt).reshape(x.shape).contiguous(), scale_inv
+    if _on_host(amax_b) and not power_of_two:
+        mult, scale_inv, nan_possible = _block_multipliers(amax_b, fmt)
+    else:
+        scale, scale_inv = blockwise_scales(amax_b, fmt, power_of_two)
+        bad = ~torch.isfinite(amax_b)
+        mult, nan_possible = torch.where(bad, float("nan"), scale), _maybe(bad.any())
+    # a block holding NaN or inf has a NaN multiplier, which makes all its data NaN
+    y = _times_block(x2, mult, block_rows, block_cols, out=scratch_like("cast_y", x2))
+    return _rne_fp8(y, fmt, nan_possible, inplace=True), scale_inv
+
+
+def _block_multipliers(amax_b: torch.Tensor, fmt):
+    """blockwise_scales without power_of_two, in fewer ops: (the data multiplier, NaN for a
+    block holding NaN or inf; scale_inv; whether any block does). amax 0 is replaced by max,
+    which gives 1 for both quotients; amax - amax is 0, or NaN for a bad block."""
+    fmax = torch.full((), fmt.max, dtype=torch.float32)
+    safe = torch.where(amax_b == 0, fmax, amax_b)
+    mult = (fmax / safe).clamp_(max=FLT_MAX)  # a subnormal amax overflows the quotient
+    scale_inv = safe / fmax
+    top = amax_b.max().item() if amax_b.numel() else 0.0
+    if math.isfinite(top):
+        return mult, scale_inv, False
+    bad = ~torch.isfinite(amax_b)  # rare: NaN as the plain formula writes it
+    return mult.add_(amax_b - amax_b), torch.where(bad, float("nan"), scale_inv), True
 
 
 def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
                          block_cols: int, out_dtype: torch.dtype) -> torch.Tensor:
-    d2 = _as_2d(data.float())
-    s = _expand_tiles(scale_inv, block_rows, block_cols, *d2.shape)
-    return (d2 * s).to(out_dtype).reshape(data.shape).contiguous()
+    d2 = _as_2d(_fp8_to_f32(data, "dequant_in"))
+    y = _times_block(d2, scale_inv, block_rows, block_cols)
+    return y.to(out_dtype).reshape(data.shape).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,6 +407,10 @@ def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float
                     power_of_two: bool) -> torch.Tensor:
     """scale = max / (amax * margin); unchanged for amax 0 or non-finite; inf -> FLT_MAX;
     0 (amax * margin overflowed) -> FLT_MIN; power_of_two rounds down to a power of two."""
+    # (callers outside the ops, such as current_scale, may be traced by torch.compile)
+    if _on_host(amax) and amax.dim() == 0 and prev_scale.dim() == 0 and \
+            not torch.compiler.is_compiling():
+        return _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two)
     amax = amax.float()
     denom = amax * torch.full((), margin, dtype=torch.float32, device=amax.device)
     s = torch.full((), fp8_max, dtype=torch.float32, device=amax.device) / denom
@@ -266,6 +421,25 @@ def scale_from_amax(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float
         s = _exp2_f32((e2 - 1).clamp(-149, 127))
     keep = (amax == 0) | ~torch.isfinite(amax)
     return torch.where(keep, prev_scale.float(), s)
+
+
+def _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two) -> torch.Tensor:
+    """scale_from_amax of one CPU value in Python floats, a dozen tensor ops cheaper. float32
+    products are exact in float64 and a float64 quotient rounds to the float32 one (53 >= 2*24+2
+    bits), so each float32 operation is one float64 operation and one rounding."""
+    s = _scale_value(amax.item(), prev_scale.item(), fp8_max, margin, power_of_two)
+    return torch.tensor(s, dtype=torch.float32)
+
+
+def _scale_value(a: float, prev: float, fp8_max: float, margin: float,
+                 power_of_two: bool) -> float:
+    if a == 0 or not math.isfinite(a):
+        return _round_f32(prev)
+    s = _round_f32(_round_f32(fp8_max) / _round_f32(a * _round_f32(margin)))
+    s = FLT_MAX if math.isinf(s) else FLT_MIN if s == 0 else s
+    if power_of_two:
+        s = 2.0 ** min(max(math.frexp(s)[1] - 1, -149), 127)
+    return s
 
 
 def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_rep: torch.Tensor,
@@ -279,6 +453,17 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     representative amax by `algo` and the new scale. Otherwise everything is returned unchanged.
     Returns (amax_history, scale, scale_inv, amax_rep, pending_amax).
     """
+    f32 = torch.float32
+    if _on_host(amax_history) and amax_history.dim() == 1 and step.dim() == 0 and \
+            amax_history.dtype == scale.dtype == amax_rep.dtype == pending_amax.dtype == f32 and \
+            scale.dim() == amax_rep.dim() == pending_amax.dim() == 0 and algo in _ALGOS:
+        outs = _delayed_update_host(amax_history.tolist(), scale.item(), amax_rep.item(),
+                                    pending_amax.item(), int(step.item()), fp8_max, margin,
+                                    interval, algo, ema_alpha, percentile, power_of_two)
+        if outs is not None:
+            hist, new_scale, scale_inv, rep, pending = outs
+            return (torch.tensor(hist, dtype=f32), *(torch.tensor(v, dtype=f32)
+                                                     for v in (new_scale, scale_inv, rep, pending)))
     L = amax_history.numel()
     do = (step % interval) == 0
     n_updates = step // interval
@@ -308,19 +493,49 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
     return hist, new_scale, torch.reciprocal(new_scale), rep, pending
 
 
+def _delayed_update_host(hist, scale, rep_prev, pending, step, fp8_max, margin, interval, algo,
+                         ema_alpha, percentile, power_of_two):
+    """delayed_scale_update on Python floats (the float32 arithmetic as in _scale_value), two
+    dozen tensor ops cheaper on CPU. None for a NaN or a -0 anywhere: Python's max and sort treat
+    those differently from torch's."""
+    values = hist + [scale, rep_prev, pending]
+    if any(v != v or (v == 0 and math.copysign(1.0, v) < 0) for v in values) or scale == 0:
+        return None
+    if step % interval:
+        return hist, scale, _round_f32(1.0 / scale), rep_prev, pending
+    n_updates, L = step // interval, len(hist)
+    hist = [pending] + hist[:-1]
+    if algo == "max":
+        rep = max(hist)
+    elif algo == "most_recent":
+        rep = hist[0]
+    elif algo == "ema":
+        a, b = _round_f32(ema_alpha), _round_f32(1.0 - ema_alpha)
+        rep = hist[0] if n_updates <= 1 else \
+            _round_f32(_round_f32(a * hist[0]) + _round_f32(b * rep_prev))
+    else:  # percentile: nearest rank over the filled slots, rank in float64 as the tensor code
+        n = min(max(n_updates, 1), L)
+        rank = min(max(int(math.ceil((percentile / 100.0) * n)), 1), L)
+        rep = sorted(hist)[L - n + rank - 1]
+    new_scale = _scale_value(rep, scale, fp8_max, margin, power_of_two)
+    return hist, new_scale, _round_f32(1.0 / new_scale), rep, 0.0
+
+
 # ----------------------------------------------------------------------------------------------
 # GEMMs: exact upcast of FP8 operands, float32 accumulation
 # ----------------------------------------------------------------------------------------------
 def _epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype):
+    """acc is a temporary: the bias is added in place."""
     if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype)
+        acc = acc.add_(_f32(bias))
+    return acc if out_dtype == torch.float32 else acc.to(out_dtype)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    alpha = a_scale_inv.float() * b_scale_inv.float()
-    return _epilogue((a.float() @ b.float().t()) * alpha, bias, out_dtype)
+    alpha = _f32(a_scale_inv) * _f32(b_scale_inv)
+    af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
+    return _epilogue((af @ bf.t()).mul_(alpha), bias, out_dtype)
 
 
 def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -331,19 +546,28 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     M, K = a.shape
     N = b.shape[0]
     sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
-    acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    af, bf = a.float(), b.float()
-    for kb in range(-(-K // 128)):
-        part = af[:, kb * 128:(kb + 1) * 128] @ bf[:, kb * 128:(kb + 1) * 128].t()
-        acc = acc + part * a_scale_inv[:, kb:kb + 1].float() * sb[:, kb].float().unsqueeze(0)
+    acc = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
+    part = scratch("gemm_part", (M, N), torch.float32, a.device)
+    # [M, 1] each; [Kb, N] (contiguous rows broadcast several times faster than strided ones)
+    a_cols, b_rows = _f32(a_scale_inv).split(1, 1), _f32(sb).t().contiguous()
+    n_kb = -(-K // 128)
+    for kb, ak, bk in zip(range(n_kb), af.split(128, 1), bf.split(128, 1)):
+        torch.mm(ak, bk.t(), out=acc if kb == 0 else part)
+        if kb == 0:  # the sum starts from zeros: 0 + v is v with -0 made +0 (NaN kept)
+            acc.mul_(a_cols[0]).mul_(b_rows[0]).add_(0.0)
+        else:
+            acc.add_(part.mul_(a_cols[kb]).mul_(b_rows[kb]))
+    if n_kb == 0:
+        acc.zero_()
     return _epilogue(acc, bias, out_dtype)
 
 
 def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
     """a [M,K], b [N,K], both with E8M0 scales along K: dequantize (exact) and accumulate in fp32."""
-    ad = dequantize_mx(a, a_scales, block_size, -1, torch.float32)
-    bd = dequantize_mx(b, b_scales, block_size, -1, torch.float32)
+    ad = _dequantize_mx_f32(a, a_scales, block_size, -1, "gemm_a")
+    bd = _dequantize_mx_f32(b, b_scales, block_size, -1, "gemm_b")
     return _epilogue(ad @ bd.t(), bias, out_dtype)
 
 

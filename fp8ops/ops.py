@@ -6,6 +6,8 @@ loads it; otherwise the emulation serves CUDA tensors too. Call ops as torch.ops
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _backend, _emulation
@@ -42,8 +44,19 @@ SCHEMAS = {
 
 def _emulated(name):
     """The emulation kernel of an op. It runs under no_grad: below the (fallthrough) Autograd
-    key its torch calls must not record a graph on inputs that require grad."""
-    return torch.no_grad()(getattr(_emulation, name))
+    key its torch calls must not record a graph on inputs that require grad. (Set directly: the
+    no_grad context manager costs more than some of the kernels on small tensors.)"""
+    fn = getattr(_emulation, name)
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(prev)
+    return kernel
 
 
 for _name, _schema in SCHEMAS.items():
