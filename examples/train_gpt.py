@@ -79,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "out"))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    p.add_argument("--monitor-every", type=int, default=10,
+    p.add_argument("--monitor-every", type=int, default=25,
                    help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
     p.add_argument("--offload", action="store_true",
                    help="fp8ops.CPUOffloadOptimizer(AdamW): masters and optimizer state on the host")
