@@ -144,6 +144,19 @@ def _ddp_worker(rank, out_dir):
     return res
 
 
+def stale_weight_casts(model):
+    """Per FP8 layer of the sharded model: whether the FP8 weight its forward used differs from
+    the cast of the weight it was given (a stale cache)."""
+    out = []
+    for layer in (model[0], model[2]):
+        st = layer.fp8_state
+        w = layer.weight.full_tensor()
+        data = torch.ops.fp8ops.quantize(w, st.weight.scale, torch.float8_e4m3fn, False)[0]
+        out.append(not torch.equal(st._weight_cache[1][0].view(torch.uint8),
+                                   data.view(torch.uint8)))
+    return out
+
+
 def _fsdp_worker(rank, out_dir):
     from torch.distributed.fsdp import fully_shard
     model = make_model()
@@ -151,17 +164,8 @@ def _fsdp_worker(rank, out_dir):
         fully_shard(layer)
     fully_shard(model)
     stale = []
-
-    def check_weight_cache():
-        """The FP8 weight the forward used must be the cast of the weight it was given."""
-        for layer in (model[0], model[2]):
-            st = layer.fp8_state
-            w = layer.weight.full_tensor()
-            data = torch.ops.fp8ops.quantize(w, st.weight.scale, torch.float8_e4m3fn, False)[0]
-            stale.append(not torch.equal(st._weight_cache[1][0].view(torch.uint8),
-                                         data.view(torch.uint8)))
-
-    losses, amax = train(model, make_opt(model), STEPS, rank, check=check_weight_cache)
+    losses, amax = train(model, make_opt(model), STEPS, rank,
+                         check=lambda: stale.extend(stale_weight_casts(model)))
     return {"losses": losses, "amax": amax, "state": fp8_states(model), "stale": stale}
 
 

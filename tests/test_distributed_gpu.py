@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fp8ops
 from test_distributed import (CKPT_AT, STEPS, _free_port, fp8_states, local_batch, make_model,
-                              make_opt)
+                              make_opt, stale_weight_casts)
 
 pytestmark = pytest.mark.gpu
 
@@ -89,16 +89,8 @@ def _fsdp_worker(out_dir):
         fully_shard(layer)
     fully_shard(model)
     stale = []
-
-    def check_weight_cache():
-        for layer in (model[0], model[2]):
-            st = layer.fp8_state
-            w = layer.weight.full_tensor()
-            data = torch.ops.fp8ops.quantize(w, st.weight.scale, torch.float8_e4m3fn, False)[0]
-            stale.append(not torch.equal(st._weight_cache[1][0].view(torch.uint8),
-                                         data.view(torch.uint8)))
-
-    losses = train(model, make_opt(model), STEPS, check=check_weight_cache)
+    losses = train(model, make_opt(model), STEPS,
+                   check=lambda: stale.extend(stale_weight_casts(model)))
     return {"losses": losses, "state": fp8_states(model), "stale": stale}
 
 
