@@ -54,12 +54,13 @@ def global_batch(step):
     return torch.cat(xs), torch.cat(ys)
 
 
-def train(model, opt, steps, rank=None, start=0, check=None):
+def train(model, opt, steps, rank=None, start=0, check=None, device="cpu"):
     """rank=None: the single-process run on the global batch. Returns the per-step losses and
     the input amax each step's first layer saw."""
     losses, amaxes = [], []
     for s in range(start, start + steps):
         x, y = global_batch(s) if rank is None else local_batch(s, rank)
+        x, y = x.to(device), y.to(device)
         loss = F.mse_loss(model(x), y)
         if check is not None:
             check()

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 import fp8ops
-from test_distributed import (CKPT_AT, STEPS, _free_port, fp8_states, local_batch, make_model,
-                              make_opt, stale_weight_casts)
+from test_distributed import (CKPT_AT, STEPS, _free_port, fp8_states, make_model, make_opt,
+                              stale_weight_casts)
+from test_distributed import train as gloo_train
 
 pytestmark = pytest.mark.gpu
 
@@ -25,17 +25,8 @@ if not torch.cuda.is_available() or not dist.is_nccl_available():
 
 
 def train(model, opt, steps, start=0, check=None):
-    losses = []
-    for s in range(start, start + steps):
-        x, y = (t.cuda() for t in local_batch(s, 0))
-        loss = F.mse_loss(model(x), y)
-        if check is not None:
-            check()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """The gloo tests' loop on rank 0's batches, on the GPU; the per-step losses."""
+    return gloo_train(model, opt, steps, rank=0, start=start, check=check, device="cuda")[0]
 
 
 def _entry(rank, worker, port, out_dir):
