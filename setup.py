@@ -1,7 +1,10 @@
-"""Build fp8ops: the Python package, plus the CUDA extension fp8ops._C when it can be built.
+"""Build fp8ops: the Python package, the CPU extension fp8ops._cpu, and the CUDA extension
+fp8ops._C when it can be built.
 
-fp8ops._C is built when nvcc and a CUDA build of torch are present (FP8OPS_SKIP_CUDA_BUILD=1 skips
-it). Install with `pip install --no-build-isolation .` so the build sees the torch you run with.
+fp8ops._cpu (the emulation's CPU kernels, csrc/*_cpu.cpp) needs only torch and a C++ compiler
+(FP8OPS_SKIP_CPU_BUILD=1 skips it; the emulation then runs its pure-PyTorch code). fp8ops._C is
+built when nvcc and a CUDA build of torch are present (FP8OPS_SKIP_CUDA_BUILD=1 skips it).
+Install with `pip install --no-build-isolation .` so the build sees the torch you run with.
 CUTLASS headers come from the nvidia-cutlass package (pip install --no-deps nvidia-cutlass) or
 from CUTLASS_PATH (a CUTLASS checkout).
 
@@ -14,6 +17,7 @@ import glob
 import os
 import re
 import shutil
+import sys
 from importlib.util import find_spec
 
 from setuptools import find_packages, setup
@@ -75,24 +79,30 @@ def _write_build_info(sass, ptx, cutlass_gemm):
         f.write(f"CUTLASS_SM90 = {cutlass_gemm!r}\n")
 
 
-def _cuda_extension():
+def _cpu_extension(cpp_extension):
+    if os.environ.get("FP8OPS_SKIP_CPU_BUILD", "0") == "1":
+        print("fp8ops: FP8OPS_SKIP_CPU_BUILD=1, not building the CPU kernels (fp8ops._cpu)")
+        return None
+    # at::parallel_for's OpenMP loop is compiled into the extension: without -fopenmp it runs on
+    # one thread. The OpenMP runtime is the one torch already loaded (same soname).
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    return cpp_extension.CppExtension(
+        name="fp8ops._cpu",
+        sources=sorted(glob.glob("csrc/*_cpu.cpp")),
+        include_dirs=[os.path.join(HERE, "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-DNDEBUG"] + openmp},
+        extra_link_args=openmp,
+    )
+
+
+def _cuda_extension(torch, cpp_extension):
     if os.environ.get("FP8OPS_SKIP_CUDA_BUILD", "0") == "1":
-        print("fp8ops: FP8OPS_SKIP_CUDA_BUILD=1, building the pure-Python package only")
-        return None, {}
-    if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/include/cuda_runtime.h"):
-        # torch guesses CUDA_HOME from `which nvcc`, which may be a wrapper outside the toolkit
-        os.environ["CUDA_HOME"] = "/usr/local/cuda"
-    try:
-        import torch
-        from torch.utils import cpp_extension
-    except ImportError:
-        print("fp8ops: torch not importable at build time (use --no-build-isolation); "
-              "building the pure-Python package only")
-        return None, {}
+        print("fp8ops: FP8OPS_SKIP_CUDA_BUILD=1, not building the CUDA extension")
+        return None
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None or not shutil.which(
             os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
-        print("fp8ops: no nvcc or a CPU build of torch; building the pure-Python package only")
-        return None, {}
+        print("fp8ops: no nvcc or a CPU build of torch; not building the CUDA extension")
+        return None
     cutlass = _cutlass_includes()
     if cutlass is None:
         raise RuntimeError("fp8ops: CUTLASS headers not found. `pip install --no-deps "
@@ -113,7 +123,7 @@ def _cuda_extension():
         # c10 code that differs between the two.
         extra_compile_args={"cxx": ["-O3", "-DNDEBUG"], "nvcc": nvcc},
     )
-    return ext, {"build_ext": _gemm_arch_build_ext(cpp_extension)}
+    return ext
 
 
 def _gemm_arch_build_ext(cpp_extension):
@@ -142,7 +152,9 @@ def _gemm_arch_build_ext(cpp_extension):
 def _retarget_gemm_objects(path):
     with open(path) as f:
         lines = f.read().splitlines()
-    post = next(line for line in lines if line.startswith("cuda_post_cflags = "))
+    post = next((line for line in lines if line.startswith("cuda_post_cflags = ")), None)
+    if post is None:  # a C++-only extension
+        return
     no_arch = [t for t in post.split(" ")[2:] if not t.startswith(("-gencode", "--generate-code"))]
     override = "  cuda_post_cflags = " + " ".join(no_arch + [SM90A])
     out = []
@@ -154,9 +166,24 @@ def _retarget_gemm_objects(path):
         f.write("\n".join(out) + "\n")
 
 
-ext, cmdclass = _cuda_extension()
+def _extensions():
+    if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/include/cuda_runtime.h"):
+        # torch guesses CUDA_HOME from `which nvcc`, which may be a wrapper outside the toolkit
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("fp8ops: torch not importable at build time (use --no-build-isolation); "
+              "building the pure-Python package only")
+        return [], {}
+    exts = [e for e in (_cpu_extension(cpp_extension), _cuda_extension(torch, cpp_extension)) if e]
+    return exts, ({"build_ext": _gemm_arch_build_ext(cpp_extension)} if exts else {})
+
+
+ext_modules, cmdclass = _extensions()
 setup(
     packages=find_packages(include=["fp8ops", "fp8ops.*"]),
-    ext_modules=[ext] if ext is not None else [],
+    ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "fp8ops.h"
+#include "philox.h"
 
 #define FP8OPS_CUDA_CHECK(expr)                                                              \
   do {                                                                                       \
@@ -224,41 +225,6 @@ __host__ __device__ __forceinline__ float exp2i(int e) {
   memcpy(&f, &b, 4);
   return f;
 }
-
-// ---- Philox4x32-10 (DESIGN.md section 4) -------------------------------------------------------
-__host__ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-  for (int r = 0; r < 10; ++r) {
-    if (r) k.x += kW0, k.y += kW1;
-    uint64_t p0 = uint64_t(c.x) * kM0, p1 = uint64_t(c.z) * kM1;
-    c = make_uint4(uint32_t(p1 >> 32) ^ c.y ^ k.x, uint32_t(p1), uint32_t(p0 >> 32) ^ c.w ^ k.y,
-                   uint32_t(p0));
-  }
-  return c;
-}
-
-// The random word of flat element i: Philox block j = i / 4, word i % 4. Caches the last block,
-// so a thread walking consecutive elements pays one Philox per four.
-struct RandomWords {
-  uint2 key;
-  uint32_t off_lo, off_hi;
-  int64_t j = -1;
-  uint4 r;
-  __host__ __device__ RandomWords(uint64_t seed, uint64_t offset)
-      : key(make_uint2(uint32_t(seed), uint32_t(seed >> 32))),
-        off_lo(uint32_t(offset)), off_hi(uint32_t(offset >> 32)) {}
-  __host__ __device__ __forceinline__ uint32_t operator()(int64_t i) {
-    if ((i >> 2) != j) {
-      j = i >> 2;
-      r = philox4x32_10(make_uint4(uint32_t(j), uint32_t(uint64_t(j) >> 32), off_lo, off_hi), key);
-    }
-    int w = int(i & 3);
-    return w == 0 ? r.x : w == 1 ? r.y : w == 2 ? r.z : r.w;
-  }
-};
 
 // Stochastic rounding of scaled y (DESIGN.md section 4), given the element's random word: the
 // result as float32, an exact FP8 value (or NaN, or y itself for a signed zero).

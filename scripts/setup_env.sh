@@ -13,10 +13,11 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build
 # The editable install serves Python changes live; rebuild only when the C++/CUDA sources, the
 # build files or the build switches changed since the last successful build.
-stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)-${FP8OPS_SKIP_CUDA_BUILD:-0}-${CUDA_HOME:-}
-so_count() { ls fp8ops/_C*.so 2>/dev/null | wc -l; }
+stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)-${FP8OPS_SKIP_CUDA_BUILD:-0}-${FP8OPS_SKIP_CPU_BUILD:-0}-${CUDA_HOME:-}
+built() { ls fp8ops/_C*.so fp8ops/_cpu*.so 2>/dev/null || true; }  # the built extensions
+so_count() { built | wc -l; }
 if [ "$(cat build/.stamp 2>/dev/null)" = "$stamp-$(so_count)" ] && python -c "import fp8ops" 2>/dev/null; then
-  echo "fp8ops: build is up to date ($(ls fp8ops/_C*.so 2>/dev/null || echo 'pure Python'))"
+  echo "fp8ops: build is up to date ($(built | xargs echo) $([ "$(so_count)" -gt 0 ] || echo 'pure Python'))"
   exit 0
 fi
 echo "fp8ops: building (MAX_JOBS=$MAX_JOBS; log in build/setup.log)"
@@ -27,4 +28,4 @@ if ! pip install --disable-pip-version-check --no-build-isolation --no-deps -e .
   exit 1
 fi
 echo "$stamp-$(so_count)" > build/.stamp
-echo "fp8ops: built in $(( $(date +%s) - start )) s; extension: $(ls fp8ops/_C*.so 2>/dev/null || echo 'none (pure Python)')"
+echo "fp8ops: built in $(( $(date +%s) - start )) s; extensions: $(built | xargs echo) $([ "$(so_count)" -gt 0 ] || echo 'none (pure Python)')"

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def setup_ns():
     """setup.py's definitions, without the build and setup() call at its end."""
     src = open(os.path.join(ROOT, "setup.py")).read()
-    body = src[:src.index("ext, cmdclass = _cuda_extension()")]
+    body = src[:src.index("ext_modules, cmdclass = _extensions()")]
     ns = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "fp8ops_setup_test"}
     exec(compile(body, "setup.py", "exec"), ns)
     return ns

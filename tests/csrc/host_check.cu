@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
     uint32_t c0;
     while (try_hex(&c0)) {
       const uint32_t c1 = rd_hex(), c2 = rd_hex(), c3 = rd_hex(), k0 = rd_hex(), k1 = rd_hex();
-      const uint4 r = philox4x32_10(make_uint4(c0, c1, c2, c3), make_uint2(k0, k1));
+      const PhiloxBlock r = philox4x32_10({c0, c1, c2, c3}, k0, k1);
       printf("%08x %08x %08x %08x\n", r.x, r.y, r.z, r.w);
     }
   } else if (!strcmp(mode, "words")) {
