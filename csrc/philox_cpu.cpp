@@ -4,15 +4,29 @@
 // kernels run. Built by a plain C++ compiler into fp8ops._cpu (no CUDA toolkit needed); the
 // emulation uses it when it is built and keeps its own tensor code otherwise.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <Python.h>
-#include <torch/library.h>
 
-#include <string>
+#include <algorithm>
 
+#include "cpu_clones.h"
+#include "kernels_cpu.h"
 #include "philox.h"
 
+namespace fp8ops_cpu {
 namespace {
+
+// p[4j .. 4j+3] = the uniforms of Philox block j, for j in [j0, j1); (r >> 8) * 2^-24 is exact.
+FP8OPS_CPU_CLONES void uniform24_blocks(float* p, int64_t j0, int64_t j1, uint64_t seed,
+                                        uint64_t offset) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const fp8ops::PhiloxBlock r = fp8ops::philox_block(j, seed, offset);
+    p[4 * j] = float(r.x >> 8) * 0x1p-24f;
+    p[4 * j + 1] = float(r.y >> 8) * 0x1p-24f;
+    p[4 * j + 2] = float(r.z >> 8) * 0x1p-24f;
+    p[4 * j + 3] = float(r.w >> 8) * 0x1p-24f;
+  }
+}
+
+}  // namespace
 
 // out (float32, contiguous, CPU): out[i] = uniform of flat element i of the stream (seed, offset),
 // each given as its low and high 32-bit halves (a schema int is int64; seeds use all 64 bits).
@@ -26,28 +40,16 @@ void philox_uniform24_cpu(at::Tensor out, int64_t seed_lo, int64_t seed_hi, int6
   const uint64_t offset = uint64_t(offset_lo) | uint64_t(offset_hi) << 32;
   float* p = out.data_ptr<float>();
   const int64_t n = out.numel();
-  const int64_t blocks = (n + 3) / 4;
   // 2048 blocks (8192 elements) per task: ~20 us of work, far above a task's scheduling cost
-  at::parallel_for(0, blocks, 2048, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = b0; j < b1; ++j) {
+  at::parallel_for(0, (n + 3) / 4, 2048, [&](int64_t b0, int64_t b1) {
+    const int64_t full = std::min(b1, n / 4);  // blocks whose four elements all exist
+    if (b0 < full) uniform24_blocks(p, b0, full, seed, offset);
+    for (int64_t j = std::max(b0, full); j < b1; ++j) {  // the last, partial block
       const fp8ops::PhiloxBlock r = fp8ops::philox_block(j, seed, offset);
       const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-      const int64_t i = 4 * j, m = n - i < 4 ? n - i : 4;
-      for (int64_t k = 0; k < m; ++k) p[i + k] = float(w[k] >> 8) * 0x1p-24f;  // both exact
+      for (int64_t k = 0; k < n - 4 * j; ++k) p[4 * j + k] = float(w[k] >> 8) * 0x1p-24f;
     }
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY(fp8ops_cpu, m) {
-  m.def("philox_uniform24_(Tensor(a!) out, int seed_lo, int seed_hi, int offset_lo, int offset_hi) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(fp8ops_cpu, CPU, m) { m.impl("philox_uniform24_", &philox_uniform24_cpu); }
-
-// Importing the module loads the library, whose static initializers register the op above.
-extern "C" PyObject* PyInit__cpu(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
-}
+}  // namespace fp8ops_cpu

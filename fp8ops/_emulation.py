@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from . import _cpu_kernels
 from ._philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
 from ._scratch import scratch, scratch_like
 from .formats import E8M0_BIAS, E8M0_NAN, get_format
@@ -231,6 +232,8 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
         raise ValueError(f"quantize_mx: axis {axis} must exist and its length must be a multiple "
                          f"of block_size {block_size}; got shape {tuple(x.shape)}")
     axis = axis % x.dim()
+    if _on_host(x) and _cpu_kernels.loaded():  # csrc/mx_cpu.cpp: the steps below in one pass
+        return torch.ops.fp8ops_cpu.quantize_mx(x.contiguous(), dtype, block_size, axis, rceil)
     xb = _split_axis(_f32(x), block_size, axis)
     amax_b = _abs_max(xb, dim=axis + 1)  # scales' shape: x's with axis divided by the block
     e, bad = _mx_exponent_bits(amax_b, fmt, rceil)
@@ -362,8 +365,13 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, blo
 
 def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: int,
                            power_of_two: bool):
-    """quantize_blockwise of a dense float32 [R, C]."""
-    amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
+    """quantize_blockwise of a dense float32 [R, C]. On the CPU with fp8ops._cpu built, its
+    kernels (csrc/blockwise_cpu.cpp) make the two full-size passes: tile amax and the cast."""
+    kernels = _on_host(x2) and _cpu_kernels.loaded()
+    if kernels:
+        amax_b = torch.ops.fp8ops_cpu.tile_amax(x2, block_rows, block_cols)
+    else:
+        amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
     if _on_host(amax_b) and not power_of_two:
         mult, scale_inv, nan_possible = _block_multipliers(amax_b, fmt)
     else:
@@ -371,6 +379,9 @@ def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: i
         bad = ~torch.isfinite(amax_b)
         mult, nan_possible = torch.where(bad, float("nan"), scale), _maybe(bad.any())
     # a block holding NaN or inf has a NaN multiplier, which makes all its data NaN
+    if kernels:
+        return torch.ops.fp8ops_cpu.cast_tiles(x2, mult.contiguous(), block_rows, block_cols,
+                                               fmt.dtype), scale_inv
     y = _times_block(x2, mult, block_rows, block_cols, out=scratch_like("cast_y", x2))
     return _rne_fp8(y, fmt, nan_possible, inplace=True), scale_inv
 

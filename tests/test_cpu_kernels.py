@@ -117,3 +117,118 @@ def test_disabled_by_environment(monkeypatch):
     assert "FP8OPS_DISABLE_CPU_KERNELS=1" in _cpu_kernels.why_not()
     want = (R.random_words(1001, 3, 4, "cpu") >> 8).float() * 2.0 ** -24
     assert torch.equal(bits(_philox.uniform24(1001, 3, 4, "cpu")), bits(want))
+
+
+def _wide_f32(n, seed):
+    """Random float32 bit patterns (every exponent: subnormals, huge values, inf, NaN) plus the
+    FP8 grids' values, their midpoints (ties) and the saturation points."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int64, generator=g).to(torch.int32)
+    vals = [b.view(torch.float32), torch.tensor([0.0, -0.0, float("inf"), float("-inf"),
+                                                 float("nan"), 1e-45, 448.0, 464.0, 57344.0])]
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        v = torch.arange(256, dtype=torch.uint8).view(dt).float()
+        v = torch.sort(v[torch.isfinite(v)]).values
+        vals += [v, (v[:-1] + v[1:]) / 2]
+    return torch.cat(vals)
+
+
+def _mx_inputs():
+    g = torch.Generator().manual_seed(5)
+    normal = torch.randn(96, 256, generator=g) * 7.0
+    spread = torch.randn(64, 64, generator=g) * torch.logspace(-42, 38, 64).unsqueeze(1)
+    wide = _wide_f32(64 * 64 * 3, 3)[-64 * 64 * 3:].reshape(3, 64, 64)  # the specials come last
+    nan_block = normal.clone()
+    nan_block[5, 40] = float("nan")
+    nan_block[70, 3] = float("-inf")
+    return [normal, spread, wide, nan_block, normal[:0], torch.randn(4, 32, 3, generator=g)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("rceil", [False, True])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_mx_same_bytes(dtype, rceil, in_dtype, without_kernels, monkeypatch):
+    """Every axis and a few block sizes, including NaN / inf blocks, subnormals and ties."""
+    cases = []
+    for x in _mx_inputs():
+        x = x.to(in_dtype)
+        for axis in range(-1, x.dim()):
+            for block in (32, 16, 64):
+                if x.shape[axis] % block == 0:
+                    cases.append((x, axis, block))
+    cases.append((_mx_inputs()[0].to(in_dtype).t(), 0, 32))  # a non-contiguous x
+    for x, axis, block in cases:
+        monkeypatch.setitem(_cpu_kernels._state, "loaded", False)
+        plain = E.quantize_mx(x, dtype, block, axis, rceil)
+        monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
+        fast = E.quantize_mx(x, dtype, block, axis, rceil)
+        want = R.quantize_mx(x, dtype, block, axis, rceil)
+        for a, b, c in zip(fast, plain, want):
+            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, (a.shape, c.shape)
+            assert a.is_contiguous()
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), (tuple(x.shape), axis, block)
+            assert torch.equal(b.view(torch.uint8), c.view(torch.uint8)), (tuple(x.shape), axis, block)
+
+
+@needs_kernels
+def test_quantize_mx_kernel_rejects_bad_arguments():
+    assert _cpu_kernels.loaded()
+    op = torch.ops.fp8ops_cpu.quantize_mx
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        op(x.t(), torch.float8_e4m3fn, 32, 0, False)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        op(x.double(), torch.float8_e4m3fn, 32, 1, False)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn or float8_e5m2"):
+        op(x, torch.float16, 32, 1, False)
+    with pytest.raises(RuntimeError, match="multiple of block_size"):
+        op(x, torch.float8_e4m3fn, 48, 1, False)
+    with pytest.raises(RuntimeError, match="axis out of range"):
+        op(x, torch.float8_e4m3fn, 32, 2, False)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("tile", [(1, 128), (128, 128), (1, 32), (3, 5)])
+def test_quantize_blockwise_same_bytes(dtype, power_of_two, tile, without_kernels, monkeypatch):
+    """Whole and partial tiles, a transposed input, NaN / inf / zero tiles, subnormals, ties."""
+    g = torch.Generator().manual_seed(7)
+    wide = _wide_f32(130 * 300, 11)[-130 * 300:].reshape(130, 300)
+    zeros_and_specials = torch.randn(200, 260, generator=g) * 5.0
+    zeros_and_specials[:128, :128] = 0.0
+    zeros_and_specials[150, 7] = float("nan")
+    zeros_and_specials[199, 259] = float("-inf")
+    tiny = torch.randn(129, 257, generator=g) * 1e-39  # subnormal amax: the quotient overflows
+    cases = [torch.randn(256, 384, generator=g) * 3.0, wide, zeros_and_specials, tiny,
+             torch.randn(384, 256, generator=g).t(), torch.randn(2, 3, 128, generator=g),
+             torch.randn(0, 128)]
+    for x in cases:
+        args = (x, dtype, tile[0], tile[1], power_of_two)
+        monkeypatch.setitem(_cpu_kernels._state, "loaded", False)
+        plain = E.quantize_blockwise(*args)
+        monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
+        fast = E.quantize_blockwise(*args)
+        want = R.quantize_blockwise(*args)
+        for a, b, c in zip(fast, plain, want):
+            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+            ints = torch.uint8 if a.element_size() == 1 else torch.int32
+            assert torch.equal(a.contiguous().view(ints), c.contiguous().view(ints)), tuple(x.shape)
+            assert torch.equal(b.contiguous().view(ints), c.contiguous().view(ints)), tuple(x.shape)
+
+
+@needs_kernels
+def test_tile_kernels_reject_bad_arguments():
+    assert _cpu_kernels.loaded()
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32 CPU tensor"):
+        torch.ops.fp8ops_cpu.tile_amax(x.t(), 1, 32)
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32 CPU tensor"):
+        torch.ops.fp8ops_cpu.tile_amax(x.double(), 1, 32)
+    with pytest.raises(RuntimeError, match="block sizes must be positive"):
+        torch.ops.fp8ops_cpu.tile_amax(x, 0, 32)
+    with pytest.raises(RuntimeError, match="one value per tile"):
+        torch.ops.fp8ops_cpu.cast_tiles(x, torch.ones(4, 3), 1, 32, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn or float8_e5m2"):
+        torch.ops.fp8ops_cpu.cast_tiles(x, torch.ones(4, 2), 1, 32, torch.bfloat16)
