@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from . import _cpu_kernels
+from . import _cpu_kernels, _philox
 from ._philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
 from ._scratch import scratch, scratch_like
 from .formats import E8M0_BIAS, E8M0_NAN, get_format
@@ -148,7 +148,12 @@ def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: 
     - up = (frac > u) is ceil(frac - u): the float32 difference of two values in [0, 1) lies in
       (-1, 1), is zero only when they are equal and never changes sign (ceil gives 1, or +-0);
     - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway).
-    clamp=False: the caller knows |y| <= max already."""
+    clamp=False: the caller knows |y| <= max already. On the CPU with fp8ops._cpu built, its
+    kernel (csrc/stochastic_cpu.cpp) runs these steps, the clamp included, in one pass."""
+    if _on_host(y) and y.is_contiguous() and _cpu_kernels.loaded():
+        m = _philox.MASK32
+        return torch.ops.fp8ops_cpu.stochastic_round(y, fmt.dtype, seed & m, (seed >> 32) & m,
+                                                     offset & m, (offset >> 32) & m)
     if clamp:
         y = y.clamp_(-fmt.max, fmt.max)
     a = torch.abs(y, out=scratch_like("sr_abs", y))

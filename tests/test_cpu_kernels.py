@@ -232,3 +232,19 @@ def test_tile_kernels_reject_bad_arguments():
         torch.ops.fp8ops_cpu.cast_tiles(x, torch.ones(4, 3), 1, 32, torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="float8_e4m3fn or float8_e5m2"):
         torch.ops.fp8ops_cpu.cast_tiles(x, torch.ones(4, 2), 1, 32, torch.bfloat16)
+
+
+@needs_kernels
+def test_stochastic_round_kernel_rejects_bad_arguments():
+    assert _cpu_kernels.loaded()
+    op = torch.ops.fp8ops_cpu.stochastic_round
+    y = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
+        op(y.t(), torch.float8_e5m2, 0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
+        op(y.half(), torch.float8_e5m2, 0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn or float8_e5m2"):
+        op(y, torch.bfloat16, 0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="32-bit"):
+        op(y, torch.float8_e5m2, 0, 2**32, 0, 0)
+    assert op(torch.empty(0, 3), torch.float8_e5m2, 0, 0, 0, 0).shape == (0, 3)
