@@ -6,7 +6,6 @@
 #include "kernels_cpu.h"
 
 TORCH_LIBRARY(fp8ops_cpu, m) {
-  m.def("philox_uniform24_(Tensor(a!) out, int seed_lo, int seed_hi, int offset_lo, int offset_hi) -> ()");
   m.def("stochastic_round(Tensor y, ScalarType dtype, int seed_lo, int seed_hi, int offset_lo, int offset_hi) -> Tensor");
   m.def("quantize_mx(Tensor x, ScalarType dtype, int block_size, int axis, bool rceil) -> (Tensor, Tensor)");
   m.def("tile_amax(Tensor x, int block_rows, int block_cols) -> Tensor");
@@ -14,7 +13,6 @@ TORCH_LIBRARY(fp8ops_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(fp8ops_cpu, CPU, m) {
-  m.impl("philox_uniform24_", &fp8ops_cpu::philox_uniform24_cpu);
   m.impl("stochastic_round", &fp8ops_cpu::stochastic_round_cpu);
   m.impl("quantize_mx", &fp8ops_cpu::quantize_mx_cpu);
   m.impl("tile_amax", &fp8ops_cpu::tile_amax_cpu);

@@ -8,13 +8,9 @@
 
 namespace fp8ops_cpu {
 
-// out[i] = (r >> 8) * 2^-24 for the Philox word r of flat element i of stream (seed, offset),
-// seed and offset given as 32-bit halves (a schema int is int64; seeds use all 64 bits).
-void philox_uniform24_cpu(at::Tensor out, int64_t seed_lo, int64_t seed_hi, int64_t offset_lo,
-                          int64_t offset_hi);
-
 // _emulation._stochastic_fp8 of a contiguous float32 y (already scaled): the FP8 data, y's shape;
-// the random word of flat element i from the stream (seed, offset) given as 32-bit halves.
+// the random word of flat element i from the stream (seed, offset), each given as its 32-bit
+// halves (a schema int is int64; seeds use all 64 bits).
 at::Tensor stochastic_round_cpu(const at::Tensor& y, at::ScalarType dtype, int64_t seed_lo,
                                 int64_t seed_hi, int64_t offset_lo, int64_t offset_hi);
 

@@ -1,6 +1,6 @@
 // Philox4x32-10 and the per-element random words of stochastic rounding (DESIGN.md section 4).
 // Torch-free and CUDA-free: the CUDA cast kernels (through common.cuh) and the CPU kernels
-// (philox_cpu.cpp, built by a plain C++ compiler) share this one definition.
+// (stochastic_cpu.cpp, built by a plain C++ compiler) share this one definition.
 #pragma once
 #include <cstdint>
 

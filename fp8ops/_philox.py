@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _cpu_kernels
 from ._scratch import scratch
 
 MASK32 = 0xFFFFFFFF
@@ -104,13 +103,8 @@ def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
 
 
 def uniform24(n: int, seed: int, offset: int, device) -> torch.Tensor:
-    """u = (r >> 8) * 2^-24 (float32, exact; a scratch tensor) for the word r of each element.
-    On the CPU with fp8ops._cpu built, its kernel writes them in one pass."""
+    """u = (r >> 8) * 2^-24 (float32, exact; a scratch tensor) for the word r of each element."""
     out = scratch("uniform", ((n + 3) // 4, 4), torch.float32, device)
-    if out.device.type == "cpu" and _cpu_kernels.loaded():
-        torch.ops.fp8ops_cpu.philox_uniform24_(out, seed & MASK32, (seed >> 32) & MASK32,
-                                               offset & MASK32, (offset >> 32) & MASK32)
-        return out.reshape(-1)[:n]
     for start, words in chunks(n, seed, offset, device):
         for i, w in enumerate(words):  # (r >> 8) < 2^24 converts to float32 exactly
             w = w.bitwise_right_shift_(8)

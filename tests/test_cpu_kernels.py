@@ -11,7 +11,7 @@ import torch
 import reference_emulation as R
 from fp8ops import _cpu_kernels
 from fp8ops import _emulation as E
-from fp8ops import _philox
+from fp8ops.formats import get_format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILT = bool(glob.glob(os.path.join(ROOT, "fp8ops", "_cpu*.so")))
@@ -39,54 +39,29 @@ def test_built_extension_loads():
 
 @needs_kernels
 @pytest.mark.parametrize("seed,offset", SEEDS)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 1000, 8191, 8193, 4 * 2048 * 3 + 1, 300001])
-def test_uniform24_same_as_tensor_code_and_reference(seed, offset, n, without_kernels, monkeypatch):
-    want = (R.random_words(n, seed, offset, "cpu") >> 8).float() * 2.0 ** -24
-    plain = _philox.uniform24(n, seed, offset, "cpu").clone()  # the tensor code (no kernels)
-    monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
-    fast = _philox.uniform24(n, seed, offset, "cpu").clone()
-    assert fast.shape == want.shape == plain.shape == (n,)
-    assert torch.equal(bits(fast), bits(want)) and torch.equal(bits(plain), bits(want))
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1023, 1024, 1025, 4099, 8 * 1024 * 3 + 5])
+def test_stochastic_round_any_seed_and_size(seed, offset, n):
+    """Every seed and offset form (64-bit, negative), sizes around the kernel's chunks and tasks."""
+    y = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 100.0
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fast = E._stochastic_fp8(y.clone(), get_format(dtype), seed, offset)
+        want = R._stochastic_fp8(y.clone(), get_format(dtype), seed, offset)
+        assert torch.equal(fast.view(torch.uint8), want.view(torch.uint8)), (seed, offset, n)
 
 
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_uniform24_any_thread_count(threads):
-    """The split into tasks does not change which counter an element takes."""
-    n, prev = 4 * 2048 * 5 + 3, torch.get_num_threads()
-    want = (R.random_words(n, 77, 2**33, "cpu") >> 8).float() * 2.0 ** -24
+def test_stochastic_round_any_thread_count(threads):
+    """The split into tasks does not change which random word an element takes."""
+    x, prev = torch.randn(8 * 1024 * 5 + 3), torch.get_num_threads()
+    args = (x, torch.tensor(30.0), torch.float8_e5m2, False, True, 77, 2**33)
+    want = R.quantize(*args)[0]
     torch.set_num_threads(threads)
     try:
-        got = _philox.uniform24(n, 77, 2**33, "cpu")
+        got = E.quantize(*args)[0]
     finally:
         torch.set_num_threads(prev)
-    assert torch.equal(bits(got), bits(want))
-
-
-@needs_kernels
-def test_kernel_writes_every_element():
-    """Every element of a poisoned output is written (and nothing is a leftover of the poison)."""
-    assert _cpu_kernels.loaded()
-    for n in (4, 8, 4 * 2048 + 4, 4 * 30011):
-        out = torch.full((n,), float("nan"))
-        torch.ops.fp8ops_cpu.philox_uniform24_(out, 9, 0, 3, 0)
-        want = (R.random_words(n, 9, 3, "cpu") >> 8).float() * 2.0 ** -24
-        assert torch.equal(bits(out), bits(want))
-
-
-@needs_kernels
-def test_kernel_rejects_bad_arguments():
-    assert _cpu_kernels.loaded()
-    op = torch.ops.fp8ops_cpu.philox_uniform24_
-    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
-        op(torch.empty(8, dtype=torch.float64), 0, 0, 0, 0)
-    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
-        op(torch.empty(8, 2)[:, 0], 0, 0, 0, 0)
-    with pytest.raises(RuntimeError, match="32-bit"):
-        op(torch.empty(8), 2**32, 0, 0, 0)
-    with pytest.raises(RuntimeError, match="32-bit"):
-        op(torch.empty(8), 0, 0, -1, 0)
-    op(torch.empty(0), 0, 0, 0, 0)  # empty: nothing to write, no error
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @needs_kernels
@@ -115,8 +90,9 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setitem(_cpu_kernels._state, "loaded", None)
     assert not _cpu_kernels.loaded()
     assert "FP8OPS_DISABLE_CPU_KERNELS=1" in _cpu_kernels.why_not()
-    want = (R.random_words(1001, 3, 4, "cpu") >> 8).float() * 2.0 ** -24
-    assert torch.equal(bits(_philox.uniform24(1001, 3, 4, "cpu")), bits(want))
+    x = torch.randn(1001)
+    args = (x, torch.tensor(3.0), torch.float8_e5m2, False, True, 3, 4)
+    assert torch.equal(E.quantize(*args)[0].view(torch.uint8), R.quantize(*args)[0].view(torch.uint8))
 
 
 def _wide_f32(n, seed):
