@@ -55,3 +55,15 @@ def device_info() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for the header of a CPU result."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

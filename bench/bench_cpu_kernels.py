@@ -13,7 +13,6 @@ import argparse
 import datetime
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from fp8ops import _cpu_kernels  # noqa: E402
 from fp8ops import _emulation as E  # noqa: E402
+from _timing import cpu_name  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = [(1024, 512), (4096, 2048)]
@@ -77,14 +77,8 @@ def main():
                 print(rows[-1], flush=True)
     finally:
         _cpu_kernels._state["loaded"] = True
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     text = (f"# The emulation's CPU kernels against its tensor code\n\n{datetime.date.today()}, "
-            f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads; median of {args.iters} interleaved calls each\n\n"
             f"`python bench/bench_cpu_kernels.py{''.join(' ' + a for a in sys.argv[1:])}`\n\n"
             + "\n".join(rows) + "\n")

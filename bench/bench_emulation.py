@@ -21,12 +21,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from _timing import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -115,17 +116,6 @@ def export_tree(rev, dest):
     subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
     return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True,
                           capture_output=True, text=True).stdout.strip()
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def table(results, before_rev):
