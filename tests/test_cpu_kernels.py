@@ -1,7 +1,7 @@
 """fp8ops._cpu, the emulation's CPU kernels (csrc/*_cpu.cpp), against the emulation's own tensor
 code and the frozen reference (tests/reference_emulation.py): the same bytes, on every path that
-uses them. Both paths run in every test; the kernels' own tests need the extension built (it is,
-by scripts/setup_env.sh, whenever torch and a C++ compiler are present)."""
+uses them. The kernels' tests need the extension built (scripts/setup_env.sh builds it whenever
+torch and a C++ compiler are present); once it is, it must load."""
 import glob
 import os
 
@@ -25,10 +25,6 @@ SEEDS = [(0, 0), (1234, 5), (0x123456789ABCDEF0, 7), (2**64 - 1, 2**64 - 1), (42
 def without_kernels(monkeypatch):
     monkeypatch.setitem(_cpu_kernels._state, "loaded", False)
     monkeypatch.setitem(_cpu_kernels._state, "why_not", "disabled by the test")
-
-
-def bits(t):
-    return t.contiguous().view(torch.int32)
 
 
 @needs_kernels
