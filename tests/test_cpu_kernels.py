@@ -27,6 +27,18 @@ def without_kernels(monkeypatch):
     monkeypatch.setitem(_cpu_kernels._state, "why_not", "disabled by the test")
 
 
+def same_bytes(fast, plain, want, what=""):
+    """The outputs with the kernels (fast), without (plain) and of the reference (want): same
+    dtypes and shapes, contiguous kernel outputs, and the same bytes."""
+    assert len(fast) == len(plain) == len(want)
+    for a, b, c in zip(fast, plain, want):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, (what, a.shape, c.shape)
+        assert a.is_contiguous(), what
+        ints = torch.uint8 if a.element_size() == 1 else torch.int32
+        assert torch.equal(a.contiguous().view(ints), c.contiguous().view(ints)), what
+        assert torch.equal(b.contiguous().view(ints), c.contiguous().view(ints)), what
+
+
 @needs_kernels
 def test_built_extension_loads():
     assert _cpu_kernels.loaded(), _cpu_kernels.why_not()
@@ -74,11 +86,7 @@ def test_stochastic_quantize_same_bytes(dtype, shape, without_kernels, monkeypat
     monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
     fast = E.quantize(*args)
     want = R.quantize(*args)
-    for a, b, c in zip(fast, plain, want):
-        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
-        ints = torch.uint8 if a.element_size() == 1 else torch.int32
-        assert torch.equal(a.contiguous().view(ints), c.contiguous().view(ints))
-        assert torch.equal(b.contiguous().view(ints), c.contiguous().view(ints))
+    same_bytes(fast, plain, want, tuple(shape))
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -136,11 +144,7 @@ def test_quantize_mx_same_bytes(dtype, rceil, in_dtype, without_kernels, monkeyp
         monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
         fast = E.quantize_mx(x, dtype, block, axis, rceil)
         want = R.quantize_mx(x, dtype, block, axis, rceil)
-        for a, b, c in zip(fast, plain, want):
-            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, (a.shape, c.shape)
-            assert a.is_contiguous()
-            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), (tuple(x.shape), axis, block)
-            assert torch.equal(b.view(torch.uint8), c.view(torch.uint8)), (tuple(x.shape), axis, block)
+        same_bytes(fast, plain, want, (tuple(x.shape), axis, block))
 
 
 @needs_kernels
@@ -183,11 +187,7 @@ def test_quantize_blockwise_same_bytes(dtype, power_of_two, tile, without_kernel
         monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
         fast = E.quantize_blockwise(*args)
         want = R.quantize_blockwise(*args)
-        for a, b, c in zip(fast, plain, want):
-            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
-            ints = torch.uint8 if a.element_size() == 1 else torch.int32
-            assert torch.equal(a.contiguous().view(ints), c.contiguous().view(ints)), tuple(x.shape)
-            assert torch.equal(b.contiguous().view(ints), c.contiguous().view(ints)), tuple(x.shape)
+        same_bytes(fast, plain, want, tuple(x.shape))
 
 
 @needs_kernels

@@ -35,3 +35,23 @@ def test_ptx_becomes_a_compute_target(setup_ns):
 def test_unreadable_entry_is_named(setup_ns):
     with pytest.raises(ValueError, match="Hopper"):
         setup_ns["parse_arch_list"]("8.9;Hopper")
+
+
+def test_cpu_extension_sources_and_switch(setup_ns, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.chdir(ROOT)
+    ext = setup_ns["_cpu_extension"](cpp_extension)
+    assert ext.name == "fp8ops._cpu"
+    names = sorted(os.path.basename(s) for s in ext.sources)
+    assert {"bindings_cpu.cpp", "stochastic_cpu.cpp", "mx_cpu.cpp", "blockwise_cpu.cpp"} <= set(names)
+    assert not any(n.endswith(".cu") for n in names)
+    monkeypatch.setenv("FP8OPS_SKIP_CPU_BUILD", "1")
+    assert setup_ns["_cpu_extension"](cpp_extension) is None
+
+
+def test_gemm_retargeting_leaves_a_cpp_only_build_file_alone(setup_ns, tmp_path):
+    ninja = tmp_path / "build.ninja"
+    text = "cflags = -O3\nbuild a.o: compile a.cpp\n"
+    ninja.write_text(text)
+    setup_ns["_retarget_gemm_objects"](str(ninja))
+    assert ninja.read_text() == text
