@@ -5,7 +5,7 @@ Hopper FP8 GEMMs take K-major operands only (TN, ops.gemm computes a @ b.T), so:
   dgrad    dX = gemm(dY,   W^T)    dY [M,N],   W^T [K,N]
   wgrad    dW = gemm(dY^T, X^T)    dY^T [N,M], X^T [K,M]
 Each cast produces the transposed copy it needs in the same pass. Only the FP8 input (X^T) is saved
-for backward; the weight is cast once per optimizer step (ScalingState.cached_weight). Every GEMM
+for backward; the weight is cast once per accumulation window (ScalingState.cached_weight). Every GEMM
 accumulates in float32. These Functions call only ops (torch.ops.fp8ops.*).
 """
 from __future__ import annotations
@@ -142,11 +142,11 @@ class PerTensorLinear(torch.autograd.Function):
 
 @torch.no_grad()
 def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False):
-    """The FP8 weight: cast once per weight version when there is a state, else every call.
-    cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast."""
+    """The FP8 weight: cast once per accumulation window when there is a state, else every
+    call. cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast."""
     if state is None:
         return cast(weight, False, None)[0]
-    return state.cached_weight(weight, cast, live)
+    return state.cached_weight(weight, cast, live, in_recompute())
 
 
 def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):

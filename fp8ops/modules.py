@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections import OrderedDict
 from typing import Callable, Optional
@@ -30,6 +31,22 @@ def layers_by_weight(params) -> dict:
     return found
 
 
+def _is_dtensor(t) -> bool:
+    # no DTensor can exist before its module is imported (keeps importing fp8ops light)
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _registered_weight(layer: "FP8Linear"):
+    """() -> the weight parameter registered on layer now (what an optimizer holds)."""
+    ref = weakref.ref(layer)
+
+    def registered():
+        mod = ref()
+        return None if mod is None else mod._parameters.get("weight")
+    return registered
+
+
 class FP8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Parameters, initialization and state_dict keys
     are nn.Linear's; the FP8 state (amax histories, scales, RNG offset) is in `fp8_state`."""
@@ -44,6 +61,20 @@ class FP8Linear(nn.Linear):
     def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
         super().__setstate__(state)
         _LAYERS.add(self)
+        self.fp8_state.owner = _registered_weight(self)
+
+    def __setattr__(self, name, value):
+        # FSDP2 swaps the parameter through setattr when a module defines __setattr__: the
+        # sharded one between steps (what the optimizer holds), the gathered copy for compute
+        if name == "fp8_state" and isinstance(value, ScalingState):
+            value.owner = _registered_weight(self)
+        elif name == "weight" and "fp8_state" in self._modules:
+            state = self.fp8_state
+            if _is_dtensor(value):
+                state.source = weakref.ref(value)
+            elif not _is_dtensor(self._parameters.get("weight")):
+                state.source = None  # a plain weight of its own (not FSDP2's gathered copy)
+        super().__setattr__(name, value)
 
     def reset_parameters(self) -> None:
         """nn.Linear's init, and a fresh FP8 state (meta init: to_empty() then this)."""

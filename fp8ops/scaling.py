@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import weight_cache
 from ._emulation import scale_from_amax
@@ -274,6 +276,11 @@ class ScalingState(nn.Module):
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
         self.host_weight = None
+        self.weight_generation = 0  # moves whenever the weight's values may have changed unseen
+        self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
+        self.owner = None  # () -> the parameter an optimizer holds for this weight (FP8Linear)
+        self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
+        _STATES.add(self)
         self.reset()
 
     def reset(self) -> None:
@@ -284,6 +291,7 @@ class ScalingState(nn.Module):
         self.rng_seed = int(getattr(self.recipe, "seed", 0))
         self.rng_offset = 0
         self._weight_cache = None  # a weight_cache.CachedCast
+        self.weight_generation += 1  # nothing cast before the reset may be reused
 
     @property
     def delayed(self) -> bool:
@@ -296,26 +304,80 @@ class ScalingState(nn.Module):
         self.rng_offset += 1
         return self.rng_seed, offset
 
-    def cached_weight(self, weight: torch.Tensor, cast: weight_cache.Cast, live: bool = False):
-        """The FP8 weight, cast once per weight version and optimizer step (weight_cache.lookup).
-        live: this forward steps delayed scaling (training mode, not a checkpoint recompute).
-        Under torch.compile there is no version: cast each call. With a host_weight the
-        parameter is a placeholder and every cast reads the host master's values."""
+    def cached_weight(self, weight: torch.Tensor, cast: weight_cache.Cast, live: bool = False,
+                      recompute: bool = False):
+        """The FP8 weight, reused only while the values are vouched for (weight_cache). live:
+        this forward steps delayed scaling (training mode, not a checkpoint recompute). Under
+        torch.compile or CUDA-graph capture every call casts (nothing on the host may decide
+        what a replay reads). With a host_weight the parameter is a placeholder and every cast
+        reads the host master's values."""
+        trust = weight_cache.KEY if recompute else weight_cache.GRADIENT
         if self.host_weight is not None:
             cast = _reading(self.host_weight, cast)
-        if torch.compiler.is_compiling():
+            trust = max(trust, weight_cache.BACKWARD)
+        if torch.compiler.is_compiling() or _capturing(weight):
             return cast(weight, live, None)[0]
-        self._weight_cache, payload = weight_cache.lookup(self._weight_cache, weight, cast, live)
+        source = None if self.source is None else self.source()
+        if source is not None and source is not weight:
+            trust = max(trust, weight_cache.BACKWARD)  # FSDP2: values change with the source
+        else:
+            source = None
+        self._weight_cache, payload = weight_cache.lookup(
+            self._weight_cache, weight, cast, live, self.weight_generation, trust, source)
+        self._hook_gradient(weight_cache.leaf(weight))
         return payload
 
+    def _hook_gradient(self, param: torch.Tensor) -> None:
+        """Let param's gradient vouch for the cast once backward has accumulated it."""
+        if not param.requires_grad or not param.is_leaf:
+            return
+        if self._hooked is not None and self._hooked[0]() is param:
+            return
+        if self._hooked is not None:
+            self._hooked[1].remove()
+        me = weakref.ref(self)
+
+        def accumulated(p):
+            state = me()
+            if state is not None:
+                state._weight_cache = weight_cache.accumulated(state._weight_cache, p)
+
+        self._hooked = (weakref.ref(param), param.register_post_accumulate_grad_hook(accumulated))
+
+    def _owned_by(self, params: set) -> bool:
+        """Whether an optimizer over the parameters with these ids updates this state's weight."""
+        owner = None if self.owner is None else self.owner()
+        if owner is not None and id(owner) in params:
+            return True
+        if self.host_weight is not None and id(self.host_weight.master) in params:
+            return True  # a CPUOffloadOptimizer's host step
+        entry = self._weight_cache
+        weight = None if entry is None or entry.weight is None else entry.weight()
+        return weight is not None and id(weight_cache.leaf(weight)) in params
+
     def weight_values_changed(self) -> None:
-        """The weight's values changed outside an optimizer step (a checkpoint loaded into the
-        host master): the next forward recasts, with the scale of a cast it would have reused."""
-        self._weight_cache = weight_cache.restored(weight_cache.saved(self._weight_cache))
+        """The weight's values moved where no version counter shows it, unchanged (into a host
+        master, or reloaded from a checkpoint of the same values): no cast from before is reused;
+        a cast the next forward would have reused leaves its scale for the recast."""
+        scale = self._saved_cast_scale()
+        self.weight_generation += 1
+        self._weight_cache = weight_cache.restored(scale, self.weight_generation)
+
+    def _saved_cast_scale(self) -> Optional[torch.Tensor]:
+        """The scale of the cast the next forward would reuse (None: it recasts)."""
+        gathered = self.source is not None and self.source() is not None  # FSDP2
+        trust = (weight_cache.BACKWARD if self.host_weight is not None or gathered
+                 else weight_cache.GRADIENT)
+        return weight_cache.saved(self._weight_cache, self.weight_generation, trust)
+
+    def _restore_cast(self, scale: Optional[torch.Tensor]) -> None:
+        """Stand a saved cast's scale in for the weight's cast (a loaded or copied state)."""
+        self.weight_generation += 1
+        self._weight_cache = weight_cache.restored(scale, self.weight_generation)
 
     def get_extra_state(self):
         extra = {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
-        scale = weight_cache.saved(self._weight_cache)
+        scale = self._saved_cast_scale()
         if scale is not None:  # mid-accumulation: the cast the next forward reuses
             extra["weight_cast_scale"] = scale
         return extra
@@ -325,23 +387,30 @@ class ScalingState(nn.Module):
         scale = extra.get("weight_cast_scale")  # absent from older checkpoints
         if scale is not None and self.delayed:
             scale = scale.to(self.weight.scale.device, torch.float32, copy=True)
-        self._weight_cache = weight_cache.restored(scale if self.delayed else None)
+        self._restore_cast(scale if self.delayed else None)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._weight_cache = None
+        self._restore_cast(None)
         super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self):
-        # float8 payloads and the weakref do not pickle; the scale is what exactness needs
+        # float8 payloads, weakrefs and hook handles do not pickle or copy; the scale is what
+        # exactness needs
         state = super().__getstate__()
-        state["_weight_cache"] = weight_cache.restored(weight_cache.saved(self._weight_cache))
+        state["_weight_cache"] = weight_cache.restored(self._saved_cast_scale(),
+                                                       self.weight_generation)
+        state["_hooked"] = state["owner"] = state["source"] = None
         return state
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
+        state.setdefault("weight_generation", 0)
+        for name in ("_hooked", "owner", "source"):
+            state.setdefault(name, None)
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
-        self._weight_cache = weight_cache.restored(None if entry is None else entry.scale)
+        self._restore_cast(None if entry is None else entry.scale)
+        _STATES.add(self)
 
     def _apply(self, fn, recurse=True):
         # Module.half() / .to(dtype) must not touch the float32 scales (an fp16 scale overflows
@@ -351,12 +420,31 @@ class ScalingState(nn.Module):
             return new if new.dtype == t.dtype else t.to(new.device)
 
         # called before the owner's weight moves: the cast it would reuse keeps its scale
-        scale = weight_cache.saved(self._weight_cache)
-        self._weight_cache = weight_cache.restored(None if scale is None else keep_dtype(scale))
+        scale = self._saved_cast_scale()
+        self._restore_cast(None if scale is None else keep_dtype(scale))
         return super()._apply(keep_dtype, recurse)
 
     def extra_repr(self) -> str:
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
+
+
+# every live ScalingState, so that an optimizer step can move the generation of the weights it
+# updated (and only those: another model's optimizer must not touch this one's casts)
+_STATES: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for state in list(_STATES):
+        if state._owned_by(params):
+            state.weight_generation += 1  # new values: the next forward recasts (and steps)
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _capturing(weight: torch.Tensor) -> bool:
+    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _reading(host, cast: weight_cache.Cast) -> weight_cache.Cast:

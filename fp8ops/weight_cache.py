@@ -1,18 +1,29 @@
-"""The cached FP8 weight of one layer: cast once per optimizer step, however many microbatches.
+"""The cached FP8 weight of one layer: cast once per accumulation window, never stale.
 
-An entry is reused while the weight is the same tensor view with the same values: same memory
-(data_ptr, storage offset) and the same values key (version counter, the process's count of
-optimizer steps, dtype, shape, strides, device). The optimizer-step count is in the key because
-FSDP2 writes the updated weight under _unsafe_preserve_version_counter.
+A weight's values can change in ways no counter sees (`p.data.add_()` does not bump the version
+counter; FSDP2 writes the gathered weight under _unsafe_preserve_version_counter), so a cast is
+reused only while something vouches that the values are those it was cast from:
+  - the same tensor view (data_ptr, storage offset, dtype, shape, strides, device) at the same
+    version counter, and the same generation of the layer's weight (ScalingState bumps it when an
+    optimizer that holds the weight steps, when a checkpoint is loaded, when an offloaded master
+    changes), and
+  - a voucher: the weight's gradient is still the one its backward left after the cast (the
+    `mark`, taken by a post-accumulate-grad hook): between the microbatches of one accumulation
+    window nothing has zeroed, replaced or stepped it. Any update of a training loop ends the
+    window: an optimizer step and zero_grad, a manual `p.data.add_(p.grad)` followed by zeroing
+    the gradient. Without a backward since the cast (eval forwards, frozen weights) there is no
+    voucher and every forward recasts. Other vouchers: activation checkpointing's recompute (the
+    forward's own cast), a weight whose values only the generation can change (an offloaded host
+    master; FSDP2's gathered copy of its sharded parameter).
 
-A recast of the same values (new memory: FSDP2 re-gathers the weight per microbatch at addresses
-that differ by rank; or a cast made under inference mode, whose inference tensors autograd cannot
-save) reuses the scale the entry was cast with and does not step the delayed-scaling weight role,
-so every rank steps, and all-reduces, the same number of times.
+A recast of vouched values (new memory: FSDP2 re-gathers per microbatch; or a cast made under
+inference mode, whose inference tensors autograd cannot save) reuses the scale the entry was cast
+with and does not step the delayed-scaling weight role, so every rank steps, and all-reduces, the
+same number of times.
 
 Checkpoints, copies and pickles carry no FP8 payload, only the scale of a cast the next forward
-would reuse (`saved`); restored (`restored`), it stands in for the cast until the next optimizer
-step, so training continues exactly as it would have.
+would reuse (`saved`); restored (`restored`), it stands in for the cast until the weight's
+generation moves, so training continues exactly as it would have.
 """
 from __future__ import annotations
 
@@ -20,23 +31,39 @@ import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_OPTIMIZER_STEPS = [0]  # torch.optim steps taken in this process (invalidates every entry)
-
-
-def _count_optimizer_step(optimizer, args, kwargs):
-    _OPTIMIZER_STEPS[0] += 1
+NO_MARK = None  # no gradient vouches for the entry
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def weight_key(w: torch.Tensor):
-    """(where the weight lives, what identifies its values)."""
+def weight_key(w: torch.Tensor, source: Optional[torch.Tensor] = None):
+    """(where the weight lives, what identifies its values). source: the tensor the weight's
+    values are copied from (FSDP2's sharded parameter), whose version counts too."""
     where = (w.data_ptr(), w.storage_offset())
-    values = (w._version, _OPTIMIZER_STEPS[0], w.dtype, tuple(w.shape), w.stride(), w.device)
+    src = None if source is None else (id(source), source._version)
+    values = (w._version, src, w.dtype, tuple(w.shape), w.stride(), w.device)
     return where, values
+
+
+def leaf(w: torch.Tensor) -> torch.Tensor:
+    """The parameter a weight view (e.g. a transposed Conv1D weight) accumulates its gradient in."""
+    base = w._base
+    return w if base is None else base
+
+
+def grad_mark(param: torch.Tensor):
+    """The state of param.grad: (weak reference to it or None, its version)."""
+    g = param.grad
+    return (None, -1) if g is None else (weakref.ref(g), g._version)
+
+
+def mark_matches(mark, param: torch.Tensor) -> bool:
+    if mark is NO_MARK:
+        return False
+    ref, version = mark
+    g = param.grad
+    if ref is None:
+        return g is None
+    return g is not None and ref() is g and g._version == version
 
 
 class CachedCast(NamedTuple):
@@ -44,9 +71,10 @@ class CachedCast(NamedTuple):
     payload: Any  # what the cast returned; None once restored
     scale: Optional[torch.Tensor]  # the per-tensor scale it was cast with (None: block scales)
     stepped: bool  # the delayed-scaling weight role stepped and recorded amax for these values
+    generation: int  # the state's weight generation when cast (or restored)
     inference: bool = False  # cast under inference mode (its tensors are inference tensors)
     weight: Any = None  # weakref to the weight (to tell at save time whether it still matches)
-    restored_at: int = -1  # restored: the optimizer-step count when it was restored
+    mark: Any = NO_MARK  # the gradient state that vouches for the values (grad_mark)
 
     @property
     def where(self):
@@ -62,43 +90,83 @@ class CachedCast(NamedTuple):
 Cast = Callable[[torch.Tensor, bool, Optional[torch.Tensor]], tuple]
 
 
-def lookup(entry: Optional[CachedCast], weight: torch.Tensor, cast: Cast, live: bool):
+# How much vouches for an entry's values besides its key and generation (strongest last):
+GRADIENT = 0  # the weight's gradient is still the one backward left after the cast
+BACKWARD = 1  # a backward ran since the cast (values change only with the generation: an
+#               offloaded host master, FSDP2's gathered copy of its sharded parameter)
+KEY = 2  # nothing more is needed (activation checkpointing's recompute of the same forward)
+
+
+def _vouched(entry: CachedCast, weight: torch.Tensor, values, generation: int,
+             trust: int) -> bool:
+    """Whether entry's cast is of the values weight holds now."""
+    if entry.generation != generation:
+        return False
+    if entry.payload is None:  # restored: stands for the weight until the generation moves
+        return True
+    if entry.values != values:
+        return False
+    if trust == KEY:
+        return True
+    if trust == BACKWARD:
+        return entry.mark is not NO_MARK
+    return mark_matches(entry.mark, leaf(weight))
+
+
+def lookup(entry: Optional[CachedCast], weight: torch.Tensor, cast: Cast, live: bool,
+           generation: int, trust: int = GRADIENT, source: Optional[torch.Tensor] = None):
     """(the entry to keep, the FP8 weight). live: this forward steps delayed scaling; a live
-    forward recasts (and steps) a cast that did not step, such as one made in eval mode."""
-    where, values = weight_key(weight)
+    forward recasts (and steps) a cast that did not step, such as one made in eval mode.
+    trust: what vouches for the values besides the key and the generation (module doc)."""
+    where, values = weight_key(weight, source)
     inference = torch.is_inference_mode_enabled()
-    same = entry is not None and (entry.stepped or not live) and (
-        entry.restored_at == _OPTIMIZER_STEPS[0] if entry.payload is None
-        else entry.values == values)
+    same = (entry is not None and (entry.stepped or not live)
+            and _vouched(entry, weight, values, generation, trust))
     if (same and entry.payload is not None and entry.where == where
             and (inference or not entry.inference)):
         return entry, entry.payload
     if same:
         scale = None if entry.scale is None else entry.scale.clone()
         payload, scale = cast(weight, False, scale)
-        stepped = entry.stepped
-    else:
-        payload, scale = cast(weight, live, None)
-        stepped = live
-    new = CachedCast((where, values), payload, scale, stepped, inference, weakref.ref(weight))
+        # a restored entry is bound to the gradient as it is now (copied with the checkpoint)
+        mark = grad_mark(leaf(weight)) if entry.payload is None else entry.mark
+        new = CachedCast((where, values), payload, scale, entry.stepped, generation, inference,
+                         weakref.ref(weight), mark)
+        return new, payload
+    payload, scale = cast(weight, live, None)
+    new = CachedCast((where, values), payload, scale, live, generation, inference,
+                     weakref.ref(weight))
     return new, payload
 
 
-def saved(entry: Optional[CachedCast]) -> Optional[torch.Tensor]:
+def accumulated(entry: Optional[CachedCast], param: torch.Tensor) -> Optional[CachedCast]:
+    """entry after backward accumulated param's gradient: that gradient now vouches for it."""
+    if entry is None or entry.weight is None:
+        return entry
+    weight = entry.weight()
+    if weight is None or leaf(weight) is not param:
+        return entry
+    return entry._replace(mark=grad_mark(param))
+
+
+def saved(entry: Optional[CachedCast], generation: int, trust: int = GRADIENT
+          ) -> Optional[torch.Tensor]:
     """The scale of a stepped cast that the next forward would reuse, or None. Only a stepped cast
     needs saving: any other one is recast from the weight and the state's buffers alike."""
-    if entry is None or not entry.stepped:
+    if entry is None or not entry.stepped or entry.generation != generation:
         return None
     if entry.payload is None:
-        return entry.scale if entry.restored_at == _OPTIMIZER_STEPS[0] else None
+        return entry.scale
     weight = entry.weight()
-    if weight is None or weight_key(weight)[1] != entry.values:
+    if weight is None or weight._version != entry.values[0]:
         return None
-    return entry.scale
+    reused = entry.mark is not NO_MARK if trust == BACKWARD else mark_matches(entry.mark,
+                                                                               leaf(weight))
+    return entry.scale if reused else None
 
 
-def restored(scale: Optional[torch.Tensor]) -> Optional[CachedCast]:
-    """A saved cast restored: used in place of the weight's cast until the next optimizer step."""
+def restored(scale: Optional[torch.Tensor], generation: int) -> Optional[CachedCast]:
+    """A saved cast restored: used in place of the weight's cast until the generation moves."""
     if scale is None:
         return None
-    return CachedCast(None, None, scale, True, restored_at=_OPTIMIZER_STEPS[0])
+    return CachedCast(None, None, scale, True, generation)

@@ -1,0 +1,236 @@
+"""The cached FP8 weight: reused inside an accumulation window, never stale, never shared.
+
+Every way a user can change a weight must reach the next forward: torch.optim, a manual
+`p.data.add_()`, `p.copy_()` under no_grad, another model's optimizer (must NOT matter), threads.
+A forward whose cast is fresh gives the same bytes as a forward through a copy of the layer's
+state with no cached cast at all: that is the check used throughout.
+"""
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import fp8ops
+
+RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(amax_history_len=4),
+           fp8ops.CurrentScaling(grad_rounding="stochastic"), fp8ops.MXFP8Scaling(),
+           fp8ops.BlockwiseScaling()]
+IDS = ["current", "delayed", "stochastic", "mxfp8", "blockwise"]
+
+
+def _mlp(recipe, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    return fp8ops.convert_to_fp8(model, recipe)
+
+
+def _fresh_output(layer, x):
+    """layer(x) as a layer with the same state but no cached weight cast computes it."""
+    state = copy.deepcopy(layer.fp8_state)
+    state._weight_cache = None
+    state.recording = layer.training
+    return fp8ops.linear(x, layer.weight, layer.bias, state=state)
+
+
+def _assert_fresh(layer, x):
+    expect = _fresh_output(layer, x)
+    assert torch.equal(layer(x), expect)
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+def _data(n=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 32, generator=g)
+    return x, torch.sin(x[:, :1] * 2) + x[:, 1:2] * 0.5
+
+
+@pytest.mark.parametrize("zero", ["set_to_none", "zero_"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_manual_sgd_through_p_data_trains(recipe, zero):
+    x, y = _data()
+    losses = {}
+    for name, model in (("fp8", _mlp(recipe)), ("fp32", _mlp(recipe))):
+        if name == "fp32":
+            model = fp8ops.convert_from_fp8(model)
+        out = []
+        for _ in range(30):
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)  # no version bump
+                if zero == "zero_":
+                    p.grad.zero_()
+                else:
+                    p.grad = None
+            out.append(loss.item())
+        losses[name] = out
+    fp8, fp32 = losses["fp8"], losses["fp32"]
+    assert fp32[-1] < 0.5 * fp32[0]
+    assert abs(fp8[-1] - fp32[-1]) < 0.1 * fp32[0], (fp8[-1], fp32[-1])
+
+
+@pytest.mark.parametrize("how", ["p.data.add_", "p.data.copy_", "no_grad copy_",
+                                 "no_grad mul_", "set p.data"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_every_way_of_writing_the_weight_reaches_the_next_forward(recipe, how):
+    layer = fp8ops.FP8Linear(32, 16, recipe=recipe)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()  # the gradient now vouches for the cast ...
+    new = torch.randn(16, 32)
+    w = layer.weight
+    if how == "p.data.add_":
+        w.data.add_(new)
+    elif how == "p.data.copy_":
+        w.data.copy_(new)
+    elif how == "set p.data":
+        w.data = new
+    else:
+        with torch.no_grad():
+            w.copy_(new) if how == "no_grad copy_" else w.mul_(2)
+    layer.weight.grad = None  # ... until the update's loop zeroes it
+    _assert_fresh(layer, x)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_accumulation_casts_the_weight_once_per_window(recipe):
+    """Inside a window the cached cast is reused: the same FP8 weight tensor object."""
+    layer = fp8ops.FP8Linear(32, 16, recipe=recipe)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    for _ in range(2):
+        payloads = []
+        for _ in range(3):
+            layer(x).sum().backward()
+            payloads.append(layer.fp8_state._weight_cache.payload)
+        assert payloads[1] is payloads[0] and payloads[2] is payloads[0]
+        opt.step()
+        opt.zero_grad()
+        layer(x).sum().backward()
+        assert layer.fp8_state._weight_cache.payload is not payloads[0]
+        opt.zero_grad()
+    if isinstance(recipe, fp8ops.DelayedScaling):
+        assert int(layer.fp8_state.weight.step) == 4  # once per window
+
+
+def test_eval_after_a_weight_swap_is_fresh():
+    """The EMA pattern: swap weights in through p.data for evaluation, then back."""
+    layer = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling())
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    opt.step()
+    ema = layer.weight.detach() * 0.5
+    saved = layer.weight.detach().clone()
+    layer.eval()
+    layer(x)
+    layer.weight.data.copy_(ema)
+    _assert_fresh(layer, x)
+    layer.weight.data.copy_(saved)
+    _assert_fresh(layer, x)
+    layer.train()
+    _assert_fresh(layer, x)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_another_models_optimizer_does_not_touch_this_model(recipe):
+    """Model B accumulates microbatches while model A steps its own optimizer."""
+    xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def run_b(with_a):
+        a, b = _mlp(recipe, 1), _mlp(recipe, 2)
+        opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (a, b))
+        outs = []
+        for i, x in enumerate(xs):
+            if with_a:
+                a(x).pow(2).mean().backward()
+                opt_a.step()
+                opt_a.zero_grad()
+            out = b(x)
+            out.pow(2).mean().backward()
+            outs.append(out.detach())
+            if i % 3 == 2:
+                opt_b.step()
+                opt_b.zero_grad()
+        return outs, b.state_dict()
+
+    alone, alone_state = run_b(False)
+    beside, beside_state = run_b(True)
+    for u, v in zip(alone, beside):
+        assert torch.equal(u, v)
+    _assert_same(alone_state, beside_state)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_frozen_model_beside_a_training_one(recipe):
+    xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def frozen_outputs(with_other):
+        frozen, other = _mlp(recipe, 3), _mlp(recipe, 4)
+        frozen.requires_grad_(False)
+        opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        outs = []
+        for x in xs:
+            outs.append(frozen(x))
+            if with_other:
+                other(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return outs
+
+    for u, v in zip(frozen_outputs(False), frozen_outputs(True)):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_threads_training_their_own_models_match_sequential_runs(recipe):
+    def train(seed, out):
+        model = _mlp(recipe, seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = _data(seed=seed)
+        losses = []
+        for _ in range(8):
+            for half in (x[:32], x[32:]):
+                loss = (model(half) - y[:len(half)]).pow(2).mean()
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[seed] = losses
+
+    sequential, threaded = {}, {}
+    for seed in (5, 6):
+        train(seed, sequential)
+    threads = [threading.Thread(target=train, args=(seed, threaded)) for seed in (5, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert threaded == sequential
+
+
+def test_cuda_graph_capture_never_reuses_a_cast_from_the_host(monkeypatch):
+    """Under capture the cast is recorded into the graph (replays read the weight's memory)."""
+    from fp8ops import scaling
+    layer = fp8ops.FP8Linear(32, 16)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    cached = layer.fp8_state._weight_cache
+    monkeypatch.setattr(scaling, "_capturing", lambda w: True)
+    layer(x).sum().backward()
+    assert layer.fp8_state._weight_cache.payload is cached.payload  # captured casts: not kept
+    calls = []
+    monkeypatch.setattr(scaling.weight_cache, "lookup", lambda *a, **k: calls.append(a))
+    layer(x)
+    assert not calls
