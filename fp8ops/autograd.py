@@ -35,12 +35,27 @@ def _live(state: Optional[ScalingState]) -> bool:
     return state is not None and state.delayed and state.recording and not in_recompute()
 
 
-def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float) -> torch.Tensor:
+def _warm(state: ScalingState, role: str, live: bool) -> bool:
+    """Whether this cast of a delayed-scaling role takes a warm scale (nothing recorded yet).
+    A live forward decides and keeps the choice: its activation-checkpointing recompute (after
+    the role has recorded) must cast exactly as it did."""
+    if live:
+        state.warm[role] = not getattr(state, role).started
+    elif not in_recompute():
+        return not getattr(state, role).started
+    return state.warm[role]
+
+
+def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
+                       warm: Optional[bool] = None) -> torch.Tensor:
     """The scale for casting x: from the delayed-scaling role (stepped first when `step`), or,
-    with no role (current scaling), from x's own amax."""
+    with no role (current scaling), from x's own amax. warm (default: the role has recorded
+    nothing yet): use x's own amax, not the initial scale 1.0."""
     if role is not None:
         if step:
             role.update(recipe, fmt, margin)
+        if not role.started if warm is None else warm:
+            return role.warm_scale(x, fmt, margin, recipe)
         return role.scale.clone()  # a copy: the buffer changes before backward uses it
     pct = getattr(recipe, "amax_percentile", None)
     amax = _ops.amax(x) if pct is None else _ops.amax_percentile(x, pct)
@@ -108,6 +123,7 @@ class PerTensorLinear(torch.autograd.Function):
         y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
         ctx.recipe, ctx.bwd, ctx.state, ctx.x_dtype = recipe, bwd, state, x2.dtype
+        ctx.grad_warm = state is not None and state.delayed and state.warm["grad"]
         ctx.mark_non_differentiable(x_amax)
         return y, x_amax
 
@@ -120,7 +136,8 @@ class PerTensorLinear(torch.autograd.Function):
         dy2 = dy.contiguous()
         delayed = state is not None and state.delayed
         g_scale = _scale_before_cast(state.grad if delayed else None, dy2, ctx.bwd, recipe,
-                                     delayed and state.recording, grad_margin(recipe))
+                                     delayed and state.recording, grad_margin(recipe),
+                                     ctx.grad_warm)
         stochastic = recipe.grad_rounding == "stochastic"
         seed, offset = state.next_rng() if stochastic else (0, 0)
         gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, stochastic, seed,
@@ -161,6 +178,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
         if step:
             state.weight.record(w_amax, recipe.process_group)
+            state.weight.started = True
         return (data, data_t, torch.reciprocal(scale)), scale
 
     w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight, live)
@@ -168,14 +186,19 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
         monitoring.observe(state, "weight", monitoring.per_tensor_stats(
             monitoring.weight_values(state, weight), w_data, w_scale_inv))
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
-                                 recipe.margin)
+                                 recipe.margin, delayed and _warm(state, "input", live))
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
                          "carry the random seed and offset")
+    if live:  # decided here, outside the Function, so that a recompute sees the same choice
+        state.warm["grad"] = not state.grad.started
     y, x_amax = PerTensorLinear.apply(x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv,
                                       recipe, state)
     if live:
         state.input.record(x_amax, recipe.process_group)
+        state.input.started = True
+        # the grad role records in backward; its first backward took a warm scale (ctx)
+        state.grad.started = state.grad.started or torch.is_grad_enabled()
     return y
 
 

@@ -214,6 +214,9 @@ class RoleState(nn.Module):
             buf.zero_()
         self.scale.fill_(1.0)
         self.scale_inv.fill_(1.0)
+        # no amax recorded yet: casts take a warm scale (warm_scale). Set by the forward code
+        # (outside autograd Functions, where torch.compile allows the mutation)
+        self.started = False
 
     def extra_repr(self) -> str:
         if self.scale.device.type == "meta":
@@ -240,16 +243,33 @@ class RoleState(nn.Module):
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor, process_group=None) -> None:
-        finite = torch.isfinite(amax)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # one MAX all-reduce of (amax or 0, any non-finite): NaN never meets the reduction
-            packed = torch.stack([torch.where(finite, amax, 0.0), (~finite).to(amax.dtype)])
-            torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX,
-                                         group=process_group)
-            amax, finite = packed[0], packed[1] == 0
+        amax, finite = _all_reduce_amax(amax, process_group)
         self.pending_amax.copy_(torch.where(finite, torch.maximum(self.pending_amax, amax),
                                             self.pending_amax))
         self.nonfinite_count.add_((~finite).to(torch.int64))
+
+    @torch.no_grad()
+    def warm_scale(self, x: torch.Tensor, fmt, margin: float, recipe) -> torch.Tensor:
+        """The scale of a cast before the role has recorded anything: from x's own amax (over
+        the process group), as current scaling would, instead of the initial 1.0."""
+        amax, finite = _all_reduce_amax(torch.ops.fp8ops.amax(x), recipe.process_group)
+        amax = torch.where(finite, amax, float("nan"))  # not finite: current_scale keeps 1.0
+        return current_scale(amax, fmt, margin, recipe.power_of_two)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.started = bool(self.step.item() > 0)  # one host read per load
+
+
+def _all_reduce_amax(amax: torch.Tensor, process_group):
+    """(amax, finite): under torch.distributed one MAX all-reduce of (amax or 0, any
+    non-finite), so NaN never meets the reduction."""
+    finite = torch.isfinite(amax)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        packed = torch.stack([torch.where(finite, amax, 0.0), (~finite).to(amax.dtype)])
+        torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX, group=process_group)
+        amax, finite = packed[0], packed[1] == 0
+    return amax, finite
 
 
 class ScalingState(nn.Module):
@@ -290,6 +310,8 @@ class ScalingState(nn.Module):
                 self._modules[role].reset()
         self.rng_seed = int(getattr(self.recipe, "seed", 0))
         self.rng_offset = 0
+        # DelayedScaling: whether the last live forward's casts took a warm scale, per role
+        self.warm = {"input": True, "grad": True}
         self._weight_cache = None  # a weight_cache.CachedCast
         self.weight_generation += 1  # nothing cast before the reset may be reused
 

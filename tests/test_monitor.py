@@ -37,10 +37,12 @@ def test_every_layer_and_role_is_reported(recipe):
 
 
 def test_saturation_and_underflow_are_counted_exactly():
-    """DelayedScaling's first cast uses scale 1: |x| > 448 saturates, |x| <= 2^-10 flushes."""
+    """With scale 1 (a first forward of amax 448 sets it): |x| > 448 saturates, |x| <= 2^-10
+    flushes."""
     layer = fp8ops.FP8Linear(16, 8, recipe=fp8ops.DelayedScaling())
     m = nn.Sequential(layer)
     fp8ops.monitor(m, every=1)
+    m(torch.full((4, 16), 448.0))
     x = torch.randn(4, 16).clamp(-3, 3)
     x[0, :3] = torch.tensor([1000.0, -600.0, 449.0])  # 449 rounds to 448: not a clamp
     x[1, :5] = torch.tensor([1e-10, -2.0 ** -10, 2.0 ** -11, 3e-4, -1e-6])

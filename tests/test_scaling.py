@@ -155,3 +155,39 @@ def test_scaling_state_state_dict_roundtrip():
         assert k == k2
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), k
     assert fresh.next_rng() == (7, 1)
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    delayed = fp8ops.FP8Linear(64, 32, recipe=fp8ops.DelayedScaling())
+    current = fp8ops.FP8Linear(64, 32, recipe=fp8ops.CurrentScaling())
+    current.load_state_dict(fp8ops.plain_state_dict(delayed))
+    return delayed, current
+
+
+def test_delayed_scaling_warm_start_in_eval_casts_as_current_scaling():
+    """Right after conversion, before any training forward, every cast takes the tensor's own
+    amax: not the initial scale 1.0."""
+    delayed, current = _pair()
+    delayed.eval(), current.eval()
+    for i in range(3):
+        x = torch.randn(8, 64) * 10.0 ** (i - 1)
+        assert torch.equal(delayed(x), current(x)), i
+    assert int(delayed.fp8_state.input.step) == 0  # eval records nothing
+
+
+def test_delayed_scaling_first_training_step_is_current_scaling():
+    """The first cast of each role (input, weight, and the gradient in backward) is warm."""
+    delayed, current = _pair(1)
+    x = torch.randn(16, 64) * 100
+    dy = torch.randn(16, 32) * 1e-4  # small gradients: the initial scale 1 would flush them
+    outs = []
+    for layer in (delayed, current):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        outs.append((y, xi.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert (outs[0][1] != 0).float().mean() > 0.99  # the input gradient was not flushed
+    assert delayed.fp8_state.input.started and delayed.fp8_state.grad.started

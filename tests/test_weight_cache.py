@@ -195,8 +195,11 @@ def test_frozen_model_beside_a_training_one(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 def test_threads_training_their_own_models_match_sequential_runs(recipe):
-    def train(seed, out):
-        model = _mlp(recipe, seed)
+    # built here: the global RNG of torch.manual_seed must not be shared by running threads
+    models = {(kind, seed): _mlp(recipe, seed) for kind in ("seq", "thr") for seed in (5, 6)}
+
+    def train(kind, seed, out):
+        model = models[kind, seed]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         x, y = _data(seed=seed)
         losses = []
@@ -211,8 +214,8 @@ def test_threads_training_their_own_models_match_sequential_runs(recipe):
 
     sequential, threaded = {}, {}
     for seed in (5, 6):
-        train(seed, sequential)
-    threads = [threading.Thread(target=train, args=(seed, threaded)) for seed in (5, 6)]
+        train("seq", seed, sequential)
+    threads = [threading.Thread(target=train, args=("thr", seed, threaded)) for seed in (5, 6)]
     for t in threads:
         t.start()
     for t in threads:
