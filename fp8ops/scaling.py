@@ -257,7 +257,12 @@ class ScalingState(nn.Module):
     buffers and the offset round-trip through state_dict, copy.deepcopy and pickle; of the cached
     weight only the scale of a delayed-scaling cast that the next forward would reuse is saved
     (the FP8 payload is rebuilt from the weight), so a resumed or copied layer continues exactly
-    as the original, mid-accumulation too."""
+    as the original, mid-accumulation too.
+
+    The state_dict holds tensors only (safetensors, save_pretrained), with the same two keys for
+    every recipe besides the delayed-scaling roles' buffers: `rng` (int64 [seed, offset]) and
+    `weight_cast_scale` (float32; 0 when there is no cast to reuse: a scale is never 0). Both are
+    written from the Python values when the state_dict is made, so the casts keep plain ints."""
 
     ROLES = ("input", "weight", "grad")
 
@@ -274,6 +279,10 @@ class ScalingState(nn.Module):
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
         self.host_weight = None
+        # checkpoint copies of rng_seed/rng_offset and of the cast scale (_save_to_state_dict)
+        self.register_buffer("rng", torch.zeros(2, dtype=torch.int64, device=device))
+        self.register_buffer("weight_cast_scale",
+                             torch.zeros((), dtype=torch.float32, device=device))
         self.reset()
 
     def reset(self) -> None:
@@ -313,23 +322,32 @@ class ScalingState(nn.Module):
         host master): the next forward recasts, with the scale of a cast it would have reused."""
         self._weight_cache = weight_cache.restored(weight_cache.saved(self._weight_cache))
 
-    def get_extra_state(self):
-        extra = {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
-        scale = weight_cache.saved(self._weight_cache)
-        if scale is not None:  # mid-accumulation: the cast the next forward reuses
-            extra["weight_cast_scale"] = scale
-        return extra
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # one host-to-device copy per save; the casts themselves only touch the Python ints
+        with torch.no_grad():
+            self.rng.copy_(torch.tensor([self.rng_seed, self.rng_offset], dtype=torch.int64))
+            scale = weight_cache.saved(self._weight_cache)
+            if scale is None:  # no cast the next forward would reuse
+                self.weight_cast_scale.zero_()
+            else:  # mid-accumulation: the scale of the cast the next forward reuses
+                self.weight_cast_scale.copy_(scale)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def set_extra_state(self, extra):
-        self.rng_seed, self.rng_offset = int(extra["rng_seed"]), int(extra["rng_offset"])
-        scale = extra.get("weight_cast_scale")  # absent from older checkpoints
-        if scale is not None and self.delayed:
-            scale = scale.to(self.weight.scale.device, torch.float32, copy=True)
-        self._weight_cache = weight_cache.restored(scale if self.delayed else None)
-
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        extra = state_dict.pop(prefix + "_extra_state", None)
+        if extra is not None:  # a checkpoint from before the state was kept in tensors
+            _upgrade_extra_state(extra, state_dict, prefix)
         self._weight_cache = None
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # read back from the checkpoint's tensors (host reads, once per load), not the buffers:
+        # a key that is absent (strict=False) or did not fit leaves the Python values as they are
+        rng = _readable(state_dict, prefix + "rng", (2,))
+        if rng is not None:
+            self.rng_seed, self.rng_offset = (int(v) for v in rng.tolist())
+        scale = _readable(state_dict, prefix + "weight_cast_scale", ())
+        if scale is not None and self.delayed and scale != 0:
+            scale = scale.to(self.weight.scale.device, torch.float32, copy=True)
+            self._weight_cache = weight_cache.restored(scale)
 
     def __getstate__(self):
         # float8 payloads and the weakref do not pickle; the scale is what exactness needs
@@ -357,6 +375,24 @@ class ScalingState(nn.Module):
 
     def extra_repr(self) -> str:
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
+
+
+def _readable(state_dict, key: str, shape: tuple) -> Optional[torch.Tensor]:
+    """The checkpoint's tensor under key if it has this shape and values to read (not meta)."""
+    value = state_dict.get(key)
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == shape and not value.is_meta:
+        return value
+    return None
+
+
+def _upgrade_extra_state(extra: dict, state_dict, prefix: str) -> None:
+    """The tensors of an older checkpoint's extra state ({"rng_seed", "rng_offset", and
+    "weight_cast_scale" when there was a cast to reuse}), put under the keys that replace it."""
+    state_dict.setdefault(prefix + "rng", torch.tensor(
+        [int(extra["rng_seed"]), int(extra["rng_offset"])], dtype=torch.int64))
+    scale = extra.get("weight_cast_scale")  # absent from older checkpoints
+    state_dict.setdefault(prefix + "weight_cast_scale", torch.zeros((), dtype=torch.float32)
+                          if scale is None else scale.reshape(()))
 
 
 def _reading(host, cast: weight_cache.Cast) -> weight_cache.Cast:
