@@ -279,6 +279,10 @@ class ScalingState(nn.Module):
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
         self.host_weight = None
+        # the layer's parameter is the transpose of the [out, in] weight the casts read (the
+        # layout of transformers' Conv1D): a host master, in the parameter's layout, is read
+        # transposed
+        self.weight_transposed = False
         # checkpoint copies of rng_seed/rng_offset and of the cast scale (_save_to_state_dict)
         self.register_buffer("rng", torch.zeros(2, dtype=torch.int64, device=device))
         self.register_buffer("weight_cast_scale",
@@ -311,11 +315,16 @@ class ScalingState(nn.Module):
         Under torch.compile there is no version: cast each call. With a host_weight the
         parameter is a placeholder and every cast reads the host master's values."""
         if self.host_weight is not None:
-            cast = _reading(self.host_weight, cast)
+            cast = _reading(self, cast)
         if torch.compiler.is_compiling():
             return cast(weight, live, None)[0]
         self._weight_cache, payload = weight_cache.lookup(self._weight_cache, weight, cast, live)
         return payload
+
+    def host_values(self) -> torch.Tensor:
+        """The host master's values on the device, in the [out, in] layout the casts read."""
+        values = self.host_weight.device_values()
+        return values.t() if self.weight_transposed else values
 
     def weight_values_changed(self) -> None:
         """The weight's values changed outside an optimizer step (a checkpoint loaded into the
@@ -357,6 +366,7 @@ class ScalingState(nn.Module):
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
+        state.setdefault("weight_transposed", False)
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._weight_cache = weight_cache.restored(None if entry is None else entry.scale)
@@ -395,10 +405,10 @@ def _upgrade_extra_state(extra: dict, state_dict, prefix: str) -> None:
                           if scale is None else scale.reshape(()))
 
 
-def _reading(host, cast: weight_cache.Cast) -> weight_cache.Cast:
+def _reading(state: ScalingState, cast: weight_cache.Cast) -> weight_cache.Cast:
     """cast, applied to the host master's values instead of the (placeholder) parameter."""
     def from_host(weight, step, scale):
-        return cast(host.device_values(), step, scale)
+        return cast(state.host_values(), step, scale)
     return from_host
 
 
