@@ -7,7 +7,8 @@ from . import ops  # noqa: F401  (defines the torch.ops.fp8ops operators)
 from ._backend import backend
 from .formats import E4M3, E5M2, FP8Format
 from .functional import linear
-from .modules import FP8Linear, convert_from_fp8, convert_to_fp8, plain_state_dict
+from .modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
+                      plain_state_dict)
 from .monitoring import monitor, stats, unmonitor
 from .offload import CPUOffloadOptimizer
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "E4M3", "E5M2", "FP8Format", "quantize", "dequantize", "quantize_mx", "quantize_blockwise",
     "amax", "gemm", "linear", "DelayedScaling", "CurrentScaling", "MXFP8Scaling",
-    "BlockwiseScaling", "ScalingState", "FP8Linear", "convert_to_fp8", "convert_from_fp8",
-    "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor", "MXTensor",
-    "BlockwiseTensor", "monitor", "stats", "unmonitor",
+    "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
+    "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
+    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor",
 ]

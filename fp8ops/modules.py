@@ -1,10 +1,10 @@
-"""FP8Linear, convert_to_fp8(), convert_from_fp8() and plain_state_dict()."""
+"""FP8Linear, FP8Conv1D, convert_to_fp8(), convert_from_fp8() and plain_state_dict()."""
 from __future__ import annotations
 
 import logging
 import sys
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -51,11 +51,14 @@ class FP8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Parameters, initialization and state_dict keys
     are nn.Linear's; the FP8 state (amax histories, scales, RNG offset) is in `fp8_state`."""
 
+    # the parameter is the transpose of the [out, in] weight the GEMMs read (FP8Conv1D)
+    weight_transposed = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = check_recipe(recipe)
-        self.fp8_state = ScalingState(self.recipe, device=self.weight.device)
+        self.fp8_state = self._new_state(self.recipe)
         _LAYERS.add(self)
 
     def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
@@ -94,8 +97,14 @@ class FP8Linear(nn.Linear):
                   device="meta")
         new.weight = mod.weight
         new.bias = mod.bias
-        new.fp8_state = ScalingState(new.recipe, device=mod.weight.device)
+        new.fp8_state = new._new_state(new.recipe)
         return new.train(mod.training)  # a model converted in eval mode stays in eval mode
+
+    def _new_state(self, recipe) -> ScalingState:
+        """A fresh FP8 state for `recipe`, on the weight's device."""
+        state = ScalingState(recipe, device=self.weight.device)
+        state.weight_transposed = self.weight_transposed
+        return state
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -146,51 +155,145 @@ class FP8Linear(nn.Linear):
         if not same:
             host = self.fp8_state.host_weight
             self.recipe = recipe
-            self.fp8_state = ScalingState(recipe, device=self.weight.device)
+            self.fp8_state = self._new_state(recipe)
             self.fp8_state.host_weight = host
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
+class FP8Conv1D(FP8Linear):
+    """transformers' Conv1D (GPT-2's projections: weight [in, out] = [nx, nf], y = x @ W + b)
+    with its three GEMMs in FP8. Parameters, their layout, `nf`/`nx` and state_dict keys are
+    Conv1D's; the GEMMs read weight.t(), a view, so nothing is copied and the gradient reaches
+    the parameter through it. An FP8Linear in every other respect (the FP8 state, monitoring,
+    CPU offload, memory counts)."""
+
+    weight_transposed = True
+
+    def __init__(self, nf: int, nx: int, *, recipe=None, device=None, dtype=None):
+        super().__init__(nx, nf, recipe=recipe, device="meta", dtype=dtype)
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(nf, device=device, dtype=dtype))
+        self.fp8_state = self._new_state(self.recipe)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Conv1D's init (weight normal with std 0.02, zero bias) and a fresh FP8 state."""
+        if "fp8_state" not in self._modules:  # nn.Linear.__init__: the parameters come later
+            return
+        nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        self.fp8_state.reset()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self.fp8_state.recording = self.training
+        # a view made each call: it follows the parameter's storage; the weight cache keys on
+        # the parameter it views (its gradient and version)
+        return linear(input, self.weight.t(), self.bias, state=self.fp8_state)
+
+    @classmethod
+    def from_conv1d(cls, mod: nn.Module, recipe=None) -> "FP8Conv1D":
+        """An FP8Conv1D sharing the Conv1D mod's weight and bias Parameters."""
+        new = cls(mod.nf, mod.nx, recipe=recipe, device="meta")
+        new.weight = mod.weight
+        new.bias = mod.bias
+        new.fp8_state = new._new_state(new.recipe)
+        return new.train(mod.training)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe}"
+
+
+def _is_conv1d(mod: nn.Module) -> bool:
+    """mod is a transformers Conv1D (recognised by name: fp8ops does not import transformers; a
+    subclass, which may compute something else, is not taken)."""
+    cls = type(mod)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+def _plain_conv1d(mod: FP8Conv1D) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D  # only an FP8Conv1D needs transformers
+
+    with torch.device("meta"):  # the parameters are replaced by mod's
+        new = Conv1D(mod.nf, mod.nx)
+    new.weight = mod.weight
+    new.bias = mod.bias
+    return new
+
+
 def convert_to_fp8(module: nn.Module, recipe=None,
                    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Replace every nn.Linear in `module` (in place; `module` itself too) by an FP8Linear that
-    shares its parameters. filter_fn(linear, fully_qualified_name) -> bool picks which ones.
+    """Replace every nn.Linear and every transformers Conv1D in `module` (in place; `module`
+    itself too) by an FP8Linear (an FP8Conv1D for a Conv1D) that shares its parameters.
+    filter_fn(layer, fully_qualified_name) -> bool picks which ones.
 
     Converting again applies `recipe` (None: CurrentScaling()) to the FP8Linear layers filter_fn
     picks: a layer that has that recipe already keeps its FP8 state; any other takes the recipe
-    with a fresh FP8 state (amax histories, scales and RNG offset start over)."""
+    with a fresh FP8 state (amax histories, scales and RNG offset start over).
+
+    Logs (INFO, logger "fp8ops.modules") how many layers of each kind it converted, and warns
+    when it converted none (no such layer, or filter_fn rejected them all)."""
     recipe = check_recipe(recipe)
+    kinds: Counter = Counter()  # the layers taken, by the class they had
+    rejected = [0]
 
     def wanted(mod, fqn):
-        return isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))
+        if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)):
+            return False
+        if filter_fn is not None and not filter_fn(mod, fqn):
+            rejected[0] += 1
+            return False
+        return True
 
     def convert(mod):
+        kinds[type(mod).__name__] += 1
         if isinstance(mod, FP8Linear):
             mod._use_recipe(recipe)
             return mod
+        if _is_conv1d(mod):
+            return FP8Conv1D.from_conv1d(mod, recipe)
         return FP8Linear.from_linear(mod, recipe)
 
     if wanted(module, ""):
-        return convert(module)
-    for fqn, mod in list(module.named_modules()):
-        for name, child in list(mod.named_children()):
-            child_fqn = f"{fqn}.{name}" if fqn else name
-            if wanted(child, child_fqn):
-                setattr(mod, name, convert(child))
+        module = convert(module)
+    else:
+        for fqn, mod in list(module.named_modules()):
+            for name, child in list(mod.named_children()):
+                child_fqn = f"{fqn}.{name}" if fqn else name
+                if wanted(child, child_fqn):
+                    setattr(mod, name, convert(child))
+    _log_conversion(module, recipe, kinds, rejected[0])
     return module
 
 
+def _log_conversion(module: nn.Module, recipe, kinds: Counter, rejected: int) -> None:
+    if not kinds:
+        why = (f"filter_fn rejected all {rejected} nn.Linear/Conv1D layers" if rejected else
+               "it has no nn.Linear or transformers Conv1D layer")
+        logger.warning("fp8ops: convert_to_fp8 converted no layer of %s (%s): it stays in full "
+                       "precision", type(module).__name__, why)
+        return
+    listed = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    total = sum(kinds.values())
+    logger.info("fp8ops: convert_to_fp8 converted %d layer%s of %s to %s (%s); filter_fn left "
+                "out %d", total, "" if total == 1 else "s", type(module).__name__,
+                type(recipe).__name__, listed, rejected)
+
+
 def convert_from_fp8(module: nn.Module) -> nn.Module:
-    """Replace every FP8Linear in `module` (in place; `module` itself too) by an nn.Linear sharing
-    its weight and bias Parameters (so the same device and dtype), for export and inference. The
-    FP8 state is dropped."""
-    def plain(mod: FP8Linear) -> nn.Linear:
+    """Replace every FP8Linear in `module` (in place; `module` itself too) by an nn.Linear (an
+    FP8Conv1D by a transformers Conv1D) sharing its weight and bias Parameters (so the same
+    device and dtype), for export and inference. The FP8 state is dropped."""
+    def plain(mod: FP8Linear) -> nn.Module:
         if mod.fp8_state.host_weight is not None:
             raise ValueError("convert_from_fp8: this FP8Linear's weight is owned by a "
                              "CPUOffloadOptimizer (only its FP8 copy is on the device); take "
                              "the weights from model.state_dict() instead")
+        if isinstance(mod, FP8Conv1D):
+            return _plain_conv1d(mod).train(mod.training)
         new = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
                         device="meta")
         new.weight = mod.weight

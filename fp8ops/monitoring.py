@@ -121,9 +121,9 @@ def _log2_range(v: torch.Tensor) -> Dict[str, torch.Tensor]:
 
 def weight_values(state, weight: torch.Tensor) -> torch.Tensor:
     """The weight's values: under a CPUOffloadOptimizer the parameter is a placeholder and the
-    values are the host master's (a transient device copy, on sampled steps only)."""
-    host = getattr(state, "host_weight", None)
-    return weight if host is None else host.device_values()
+    values are the host master's, in the layout the casts read (a transient device copy, on
+    sampled steps only)."""
+    return weight if getattr(state, "host_weight", None) is None else state.host_values()
 
 
 def sampling(state) -> bool:

@@ -279,7 +279,12 @@ class ScalingState(nn.Module):
     buffers and the offset round-trip through state_dict, copy.deepcopy and pickle; of the cached
     weight only the scale of a delayed-scaling cast that the next forward would reuse is saved
     (the FP8 payload is rebuilt from the weight), so a resumed or copied layer continues exactly
-    as the original, mid-accumulation too."""
+    as the original, mid-accumulation too.
+
+    The state_dict holds tensors only (safetensors, save_pretrained), with the same two keys for
+    every recipe besides the delayed-scaling roles' buffers: `rng` (int64 [seed, offset]) and
+    `weight_cast_scale` (float32; 0 when there is no cast to reuse: a scale is never 0). Both are
+    written from the Python values when the state_dict is made, so the casts keep plain ints."""
 
     ROLES = ("input", "weight", "grad")
 
@@ -301,6 +306,14 @@ class ScalingState(nn.Module):
         self.owner = None  # () -> the parameter an optimizer holds for this weight (FP8Linear)
         self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
         _STATES.add(self)
+        # the layer's parameter is the transpose of the [out, in] weight the casts read (the
+        # layout of transformers' Conv1D): a host master, in the parameter's layout, is read
+        # transposed
+        self.weight_transposed = False
+        # checkpoint copies of rng_seed/rng_offset and of the cast scale (_save_to_state_dict)
+        self.register_buffer("rng", torch.zeros(2, dtype=torch.int64, device=device))
+        self.register_buffer("weight_cast_scale",
+                             torch.zeros((), dtype=torch.float32, device=device))
         self.reset()
 
     def reset(self) -> None:
@@ -335,7 +348,7 @@ class ScalingState(nn.Module):
         reads the host master's values."""
         trust = weight_cache.KEY if recompute else weight_cache.GRADIENT
         if self.host_weight is not None:
-            cast = _reading(self.host_weight, cast)
+            cast = _reading(self, cast)
             trust = max(trust, weight_cache.BACKWARD)
         if torch.compiler.is_compiling() or _capturing(weight):
             return cast(weight, live, None)[0]
@@ -374,8 +387,12 @@ class ScalingState(nn.Module):
         if self.host_weight is not None and id(self.host_weight.master) in params:
             return True  # a CPUOffloadOptimizer's host step
         entry = self._weight_cache
-        weight = None if entry is None or entry.weight is None else entry.weight()
-        return weight is not None and id(weight_cache.leaf(weight)) in params
+        param = None if entry is None or entry.param is None else entry.param()
+        return param is not None and id(param) in params
+    def host_values(self) -> torch.Tensor:
+        """The host master's values on the device, in the [out, in] layout the casts read."""
+        values = self.host_weight.device_values()
+        return values.t() if self.weight_transposed else values
 
     def weight_values_changed(self) -> None:
         """The weight's values moved where no version counter shows it, unchanged (into a host
@@ -397,23 +414,31 @@ class ScalingState(nn.Module):
         self.weight_generation += 1
         self._weight_cache = weight_cache.restored(scale, self.weight_generation)
 
-    def get_extra_state(self):
-        extra = {"rng_seed": self.rng_seed, "rng_offset": self.rng_offset}
-        scale = self._saved_cast_scale()
-        if scale is not None:  # mid-accumulation: the cast the next forward reuses
-            extra["weight_cast_scale"] = scale
-        return extra
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # one host-to-device copy per save; the casts themselves only touch the Python ints
+        with torch.no_grad():
+            self.rng.copy_(torch.tensor([self.rng_seed, self.rng_offset], dtype=torch.int64))
+            scale = self._saved_cast_scale()
+            if scale is None:  # no cast the next forward would reuse
+                self.weight_cast_scale.zero_()
+            else:  # mid-accumulation: the scale of the cast the next forward reuses
+                self.weight_cast_scale.copy_(scale)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def set_extra_state(self, extra):
-        self.rng_seed, self.rng_offset = int(extra["rng_seed"]), int(extra["rng_offset"])
-        scale = extra.get("weight_cast_scale")  # absent from older checkpoints
-        if scale is not None and self.delayed:
-            scale = scale.to(self.weight.scale.device, torch.float32, copy=True)
-        self._restore_cast(scale if self.delayed else None)
-
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        extra = state_dict.pop(prefix + "_extra_state", None)
+        if extra is not None:  # a checkpoint from before the state was kept in tensors
+            _upgrade_extra_state(extra, state_dict, prefix)
         self._restore_cast(None)
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # read back from the checkpoint's tensors (host reads, once per load), not the buffers:
+        # a key that is absent (strict=False) or did not fit leaves the Python values as they are
+        rng = _readable(state_dict, prefix + "rng", (2,))
+        if rng is not None:
+            self.rng_seed, self.rng_offset = (int(v) for v in rng.tolist())
+        scale = _readable(state_dict, prefix + "weight_cast_scale", ())
+        if scale is not None and self.delayed and scale != 0:
+            self._restore_cast(scale.to(self.weight.scale.device, torch.float32, copy=True))
 
     def __getstate__(self):
         # float8 payloads, weakrefs and hook handles do not pickle or copy; the scale is what
@@ -429,6 +454,7 @@ class ScalingState(nn.Module):
         state.setdefault("weight_generation", 0)
         for name in ("_hooked", "owner", "source"):
             state.setdefault(name, None)
+        state.setdefault("weight_transposed", False)
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._restore_cast(None if entry is None else entry.scale)
@@ -469,10 +495,28 @@ def _capturing(weight: torch.Tensor) -> bool:
     return weight.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _reading(host, cast: weight_cache.Cast) -> weight_cache.Cast:
+def _readable(state_dict, key: str, shape: tuple) -> Optional[torch.Tensor]:
+    """The checkpoint's tensor under key if it has this shape and values to read (not meta)."""
+    value = state_dict.get(key)
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == shape and not value.is_meta:
+        return value
+    return None
+
+
+def _upgrade_extra_state(extra: dict, state_dict, prefix: str) -> None:
+    """The tensors of an older checkpoint's extra state ({"rng_seed", "rng_offset", and
+    "weight_cast_scale" when there was a cast to reuse}), put under the keys that replace it."""
+    state_dict.setdefault(prefix + "rng", torch.tensor(
+        [int(extra["rng_seed"]), int(extra["rng_offset"])], dtype=torch.int64))
+    scale = extra.get("weight_cast_scale")  # absent from older checkpoints
+    state_dict.setdefault(prefix + "weight_cast_scale", torch.zeros((), dtype=torch.float32)
+                          if scale is None else scale.reshape(()))
+
+
+def _reading(state: ScalingState, cast: weight_cache.Cast) -> weight_cache.Cast:
     """cast, applied to the host master's values instead of the (placeholder) parameter."""
     def from_host(weight, step, scale):
-        return cast(host.device_values(), step, scale)
+        return cast(state.host_values(), step, scale)
     return from_host
 
 

@@ -73,7 +73,7 @@ class CachedCast(NamedTuple):
     stepped: bool  # the delayed-scaling weight role stepped and recorded amax for these values
     generation: int  # the state's weight generation when cast (or restored)
     inference: bool = False  # cast under inference mode (its tensors are inference tensors)
-    weight: Any = None  # weakref to the weight (to tell at save time whether it still matches)
+    param: Any = None  # weakref to the parameter the weight is (or is a view of): leaf(weight)
     mark: Any = NO_MARK  # the gradient state that vouches for the values (grad_mark)
 
     @property
@@ -131,20 +131,17 @@ def lookup(entry: Optional[CachedCast], weight: torch.Tensor, cast: Cast, live: 
         # a restored entry is bound to the gradient as it is now (copied with the checkpoint)
         mark = grad_mark(leaf(weight)) if entry.payload is None else entry.mark
         new = CachedCast((where, values), payload, scale, entry.stepped, generation, inference,
-                         weakref.ref(weight), mark)
+                         weakref.ref(leaf(weight)), mark)
         return new, payload
     payload, scale = cast(weight, live, None)
     new = CachedCast((where, values), payload, scale, live, generation, inference,
-                     weakref.ref(weight))
+                     weakref.ref(leaf(weight)))
     return new, payload
 
 
 def accumulated(entry: Optional[CachedCast], param: torch.Tensor) -> Optional[CachedCast]:
     """entry after backward accumulated param's gradient: that gradient now vouches for it."""
-    if entry is None or entry.weight is None:
-        return entry
-    weight = entry.weight()
-    if weight is None or leaf(weight) is not param:
+    if entry is None or entry.param is None or entry.param() is not param:
         return entry
     return entry._replace(mark=grad_mark(param))
 
@@ -157,11 +154,10 @@ def saved(entry: Optional[CachedCast], generation: int, trust: int = GRADIENT
         return None
     if entry.payload is None:
         return entry.scale
-    weight = entry.weight()
-    if weight is None or weight._version != entry.values[0]:
+    param = entry.param()
+    if param is None or param._version != entry.values[0]:  # a view shares its base's counter
         return None
-    reused = entry.mark is not NO_MARK if trust == BACKWARD else mark_matches(entry.mark,
-                                                                               leaf(weight))
+    reused = entry.mark is not NO_MARK if trust == BACKWARD else mark_matches(entry.mark, param)
     return entry.scale if reused else None
 
 

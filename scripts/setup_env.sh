@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip install -q --disable-pip-version-check "torch==2.14.1" numpy ml_dtypes pytest matplotlib tqdm ninja setuptools wheel
+pip install -q --disable-pip-version-check "torch==2.14.1" numpy ml_dtypes pytest matplotlib tqdm ninja setuptools wheel \
+  "transformers==5.24.0" "accelerate==1.15.0"
 pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"  # headers only
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}

@@ -73,7 +73,7 @@ def train(model, opt, steps, rank=None, start=0, check=None, device="cpu"):
 
 
 def fp8_states(module):
-    """Every fp8_state entry of the state_dict (buffers and the RNG extra state), cloned."""
+    """Every fp8_state entry of the state_dict (the buffers, RNG seed and offset too), cloned."""
     return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in module.state_dict().items()
             if ".fp8_state." in k}
 

@@ -13,6 +13,7 @@ import fp8ops
 RECIPES = [None, fp8ops.DelayedScaling(amax_history_len=4), fp8ops.MXFP8Scaling(),
            fp8ops.BlockwiseScaling()]
 IDS = ["current", "delayed", "mxfp8", "blockwise"]
+STOCHASTIC = fp8ops.CurrentScaling(grad_rounding="stochastic", seed=3)
 
 
 class Block(nn.Module):
@@ -314,6 +315,60 @@ def test_resume_from_state_dict_is_exact(recipe, when):
     _copy_grads(model, fresh)  # gradients are not in a checkpoint
     plan = (["eval"] if when == "eval_after_load" else []) + CONTINUE
     _lockstep((model, opt), (fresh, fresh_opt), plan, seed=3)
+    _assert_same_state_dict(model.state_dict(), fresh.state_dict())
+
+
+@pytest.mark.parametrize("recipe", RECIPES + [STOCHASTIC], ids=IDS + ["stochastic"])
+def test_state_dict_is_tensors_only_with_the_same_state_keys_for_every_recipe(recipe):
+    """safetensors (save_pretrained, Trainer checkpoints) takes tensors only."""
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    _train(model, 2, seed=1)
+    state = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    common = {k for k in state if k.startswith("up.fp8_state.") and k.count(".") == 2}
+    assert common == {"up.fp8_state.rng", "up.fp8_state.weight_cast_scale"}
+    seed = getattr(recipe, "seed", 0)
+    offset = 2 if recipe is STOCHASTIC else 0  # one stochastic cast per backward
+    assert state["up.fp8_state.rng"].tolist() == [seed, offset]
+    assert state["up.fp8_state.rng"].dtype == torch.int64
+
+
+def _old_format(state: dict) -> dict:
+    """A state_dict as checkpoints made before the FP8 state was kept in tensors hold it: the
+    seed, the offset and the scale of a cast to reuse in one `_extra_state` dict per layer."""
+    old = {}
+    for key, value in state.items():
+        prefix, _, name = key.rpartition(".")
+        if name == "rng":
+            old[prefix + "._extra_state"] = {"rng_seed": int(value[0]),
+                                             "rng_offset": int(value[1])}
+        elif name != "weight_cast_scale":
+            old[key] = value
+    for key, value in state.items():
+        prefix, _, name = key.rpartition(".")
+        if name == "weight_cast_scale" and value.item() != 0:
+            old[prefix + "._extra_state"]["weight_cast_scale"] = value
+    return old
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[1], STOCHASTIC], ids=["delayed", "stochastic"])
+def test_checkpoint_with_the_old_extra_state_still_loads_exactly(recipe):
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    opt = _sgd(model)
+    _train(model, 2, seed=1, opt=opt)
+    model(torch.randn(16, 64)).pow(2).mean().backward()  # mid-accumulation: a cast to reuse
+    old = _old_format(model.state_dict())
+    if recipe.__class__ is fp8ops.DelayedScaling:
+        assert "weight_cast_scale" in old["up.fp8_state._extra_state"]
+    torch.manual_seed(123)
+    fresh = fp8ops.convert_to_fp8(Block(), recipe)
+    fresh_opt = _sgd(fresh)
+    fresh.load_state_dict(old)  # strict
+    fresh_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # not sharing momentum
+    assert fresh.up.fp8_state.rng_offset == model.up.fp8_state.rng_offset
+    _copy_grads(model, fresh)
+    _lockstep((model, opt), (fresh, fresh_opt), CONTINUE, seed=3)
     _assert_same_state_dict(model.state_dict(), fresh.state_dict())
 
 
