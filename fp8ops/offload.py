@@ -127,6 +127,11 @@ class CPUOffloadOptimizer(Optimizer):
                 raise ValueError(f"CPUOffloadOptimizer: {what} appears more than once")
             taken.add(id(p))
         layers = layers_by_weight(tensors)
+        for i, (name, p) in enumerate(zip(names, tensors)):
+            if id(p) in layers and type(p) is not torch.nn.Parameter:
+                raise TypeError(f"CPUOffloadOptimizer: {_describe(name, index, i, p)} is an "
+                                f"FP8Linear weight of type {type(p).__qualname__}; only a plain "
+                                f"nn.Parameter can be offloaded")
         entries = [OffloadedParam(p, _describe(name, index, i, p), layers.get(id(p), []),
                                   self.offload_gradients, self._stream(p.device))
                    for i, (name, p) in enumerate(zip(names, tensors))]
@@ -171,6 +176,17 @@ class CPUOffloadOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"CPUOffloadOptimizer({self.optimizer!r})"
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The FP32 master of `param` (one of this optimizer's parameters), on the host: the
+        tensor the step updates, for an FP8Linear weight the only copy of its values. For
+        reading (norms, logging); change weights through model.load_state_dict()."""
+        for entry in self._params:
+            if entry.param is param:
+                return entry.master
+        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else None
+        raise ValueError(f"CPUOffloadOptimizer.master_of: the {torch.typename(param)} of shape "
+                         f"{shape} is not one of this optimizer's parameters")
 
     # -- the step ----------------------------------------------------------------------------
     def _gather(self) -> None:
