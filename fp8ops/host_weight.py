@@ -9,7 +9,8 @@ and the cast reads the master itself.
 The placeholder keeps the Parameter object (its identity, hooks, requires_grad, shape, dtype and
 device: what modules, autograd, optimizers and references held by the user rely on) and becomes
 an OffloadedWeight: any torch function that would read or write its values raises an error that
-says where the values are, instead of computing on the placeholder.
+says where the values are, instead of computing on the placeholder. Copies and pickles of it are
+ordinary parameters holding the master's values.
 """
 from __future__ import annotations
 
@@ -31,12 +32,22 @@ class HostWeight:
         self.dtype = dtype
         self.name = name
 
+    def __reduce__(self):
+        # the optimizer's ownership is not copied: a copied or unpickled layer casts its own
+        # weight (OffloadedWeight copies to an ordinary parameter), and no master is duplicated
+        return _unowned, ()
+
     def device_values(self) -> torch.Tensor:
         """The values to cast to FP8, on the device: the master itself when the device is the
         host, else a transient copy (non-blocking from pinned memory, on the current stream)."""
         if self.master.device == self.device:
             return self.master
         return self.master.to(self.device, non_blocking=True)
+
+    def param_value(self) -> torch.Tensor:
+        """The weight as an ordinary parameter would hold it: a new tensor with the master's
+        values in the parameter's dtype, on the device."""
+        return self.master.detach().to(self.device, self.dtype, copy=True)
 
     def state_value(self) -> torch.Tensor:
         """The weight as the model's state_dict gives it: the master in the parameter's dtype, on
@@ -54,6 +65,11 @@ class HostWeight:
         if self.master.is_pinned():  # a copy of the old values may still be in flight
             torch.cuda.synchronize(self.device)
         self.master.copy_(value)
+
+
+def _unowned() -> None:
+    """What a HostWeight copies and unpickles to: none (see HostWeight.__reduce__)."""
+    return None
 
 
 # What may be done with an OffloadedWeight: everything that reads only what the placeholder has
@@ -126,14 +142,24 @@ class _Offloaded:
                 f"device={self.device}): {host.name}, owned by a CPUOffloadOptimizer; its values "
                 f"are the optimizer's FP32 master on the host (opt.master_of(param))")
 
+    def __deepcopy__(self, memo):
+        # a copy is the weight itself, an ordinary tensor or parameter owned by no optimizer
+        if id(self) not in memo:
+            memo[id(self)] = _real(self)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, proto):
+        return _real(self).__reduce_ex__(proto)
+
 
 class OffloadedWeight(_Offloaded, nn.Parameter):
     """An FP8Linear weight parameter owned by a CPUOffloadOptimizer: its shape, dtype, device,
     gradient and hooks are the parameter's, its values are the host master's. A torch function
     that reads or writes values raises (saying where they are), as does moving or converting
-    it; metadata, gradients, detach() (a guarded alias) and no-op conversions work. Made by
-    offload() (the class of the existing Parameter object changes, as torch's lazy modules'
-    UninitializedParameter does the other way), never constructed."""
+    it; metadata, gradients, detach() (a guarded alias) and no-op conversions work; a copy or a
+    pickle is an ordinary nn.Parameter with the master's values in the parameter's dtype, on
+    its device. Made by offload() (the class of the existing Parameter object changes, as
+    torch's lazy modules' UninitializedParameter does the other way), never constructed."""
 
 
 class OffloadedWeightAlias(_Offloaded, torch.Tensor):
@@ -175,6 +201,13 @@ def _convert(self: _Offloaded, func, args, kwargs):
     raise RuntimeError(f"{_owned(self._host)} It cannot be moved or converted ({_what(func)}) "
                        f"while the optimizer owns it: move or convert the model before building "
                        f"the CPUOffloadOptimizer.")
+
+
+def _real(self: _Offloaded) -> torch.Tensor:
+    value = self._host.param_value()
+    if isinstance(self, nn.Parameter):
+        return nn.Parameter(value, requires_grad=self.requires_grad)
+    return value
 
 
 def _owned(host: HostWeight) -> str:

@@ -432,6 +432,54 @@ def test_an_offloaded_model_is_used_as_any_model(recipe):
     assert stats == ref_stats and all(math.isfinite(v) for v in stats.values())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_a_copy_of_an_offloaded_model_trains_on_its_own(recipe, dtype):
+    """copy.deepcopy of an offloaded model: ordinary parameters with the masters' values, owned
+    by no optimizer, trained by any optimizer as a model loaded from the same checkpoint."""
+    model = _model(recipe).to(dtype)
+    opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, _batches(31, 2, 2))
+    master = opt.master_of(model.up.weight).clone()
+    ckpt = copy.deepcopy(model.state_dict())
+    batches = _batches(32, 3, 2)
+    for make_opt in (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+                     lambda p: fp8ops.CPUOffloadOptimizer(p, torch.optim.AdamW, lr=1e-2)):
+        twin = copy.deepcopy(model)
+        for layer in _fp8_layers(twin):
+            assert type(layer.weight) is nn.Parameter and layer.fp8_state.host_weight is None
+        assert twin.up.weight.dtype == dtype and torch.equal(twin.up.weight, master.to(dtype))
+        ref = _model(recipe, seed=99).to(dtype)
+        ref.load_state_dict(ckpt)
+        expected, _ = _train(ref, make_opt(ref.parameters()), batches)
+        assert _train(twin, make_opt(twin.parameters()), batches)[0] == expected
+        _assert_same(_weights(twin), _weights(ref))
+    assert torch.equal(opt.master_of(model.up.weight), master)  # the original is untouched
+
+
+def test_a_saved_offloaded_model_loads_as_a_plain_model():
+    model = _model(RECIPES[1])
+    opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, _batches(34, 2, 1))
+    saved = {}
+    for name, m in (("offloaded", model), ("copy", copy.deepcopy(model))):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        saved[name] = buf.getvalue()
+    # the masters are saved once, as the parameters' values, not a second time as host weights
+    assert len(saved["offloaded"]) < len(saved["copy"]) + 1024
+    loaded = torch.load(io.BytesIO(saved["offloaded"]), weights_only=False)
+    for layer in _fp8_layers(loaded):
+        assert type(layer.weight) is nn.Parameter and layer.fp8_state.host_weight is None
+    _assert_same(_weights(loaded), _weights(model))
+    ref = _model(RECIPES[1], seed=99)
+    ref.load_state_dict(model.state_dict())
+    batches = _batches(35, 2, 1)
+    expected, _ = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), batches)
+    assert _train(loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2, fused=True),
+                  batches)[0] == expected
+
+
 def test_moving_or_converting_an_offloaded_weight_raises_and_no_op_conversions_pass():
     layer = fp8ops.FP8Linear(D, D, recipe=RECIPES[0])
     opt = fp8ops.CPUOffloadOptimizer(layer.named_parameters(), torch.optim.AdamW)
