@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
+from .host_weight import OffloadedWeight
 from .modules import layers_by_weight
-from .offload_param import OffloadedParam
+from .offload_param import OffloadedParam, owner
 
 # torch optimizers with a fused CPU step: the host step uses it unless fused/foreach are given
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -52,6 +53,15 @@ def _check_param(param, what: str) -> None:
     if not param.is_floating_point():
         raise TypeError(f"CPUOffloadOptimizer: {what} has dtype {param.dtype}; only floating "
                         f"point parameters are supported")
+
+
+def _check_not_owned(param, what: str) -> None:
+    if owner(param) is not None or isinstance(param, OffloadedWeight):
+        raise ValueError(
+            f"CPUOffloadOptimizer: {what} is already owned by another CPUOffloadOptimizer (built "
+            f"earlier over the same model), which keeps its master and takes its gradients; "
+            f"one CPUOffloadOptimizer per model. To train a separate copy, build the second "
+            f"optimizer over copy.deepcopy(model)")
 
 
 class CPUOffloadOptimizer(Optimizer):
@@ -125,6 +135,7 @@ class CPUOffloadOptimizer(Optimizer):
             _check_param(p, what)
             if id(p) in installed or id(p) in taken:
                 raise ValueError(f"CPUOffloadOptimizer: {what} appears more than once")
+            _check_not_owned(p, what)
             taken.add(id(p))
         layers = layers_by_weight(tensors)
         for i, (name, p) in enumerate(zip(names, tensors)):

@@ -16,13 +16,26 @@ and are accumulated there in FP32.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .host_weight import HostWeight, offload
 
 _F32 = torch.float32
+
+# every parameter a CPUOffloadOptimizer has taken over -> a weak reference to its
+# OffloadedParam, which lives as long as something of it is attached to the model (its gradient
+# hook), whether the optimizer does or not
+_OWNED = WeakIdKeyDictionary()
+
+
+def owner(param: torch.Tensor) -> Optional["OffloadedParam"]:
+    """The OffloadedParam that owns `param`, or None."""
+    ref = _OWNED.get(param)
+    return None if ref is None else ref()
 
 
 def _pinned_empty(shape, dtype) -> torch.Tensor:
@@ -61,6 +74,7 @@ class OffloadedParam:
     def install(self) -> None:
         """Make the model use the host copy: hooks, and for fp8 the placeholder parameter."""
         param = self.param
+        _OWNED[param] = weakref.ref(self)
         if self.kind == "fp8":
             host = HostWeight(self.master, param.device, param.dtype, self.name)
             for layer in self.layers:

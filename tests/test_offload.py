@@ -480,6 +480,29 @@ def test_a_saved_offloaded_model_loads_as_a_plain_model():
                   batches)[0] == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_second_optimizer_over_owned_parameters_raises_naming_one(dtype):
+    model = _model(RECIPES[0]).to(dtype)
+    twin = copy.deepcopy(model)
+    opt = fp8ops.CPUOffloadOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    twin_opt = fp8ops.CPUOffloadOptimizer(twin.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match="master_of: .* not one of this optimizer's param"):
+        opt.master_of(twin.up.weight)
+    owned = [list(model.named_parameters()), [("up.weight", model.up.weight)],
+             list(model.ln.named_parameters(prefix="ln"))]
+    for params in owned:  # the first of them is named
+        name = params[0][0]
+        with pytest.raises(ValueError, match=rf"parameter '{name}' is already owned by another "
+                                             r"CPUOffloadOptimizer.*copy\.deepcopy\(model\)"):
+            fp8ops.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-2)
+    batches = _batches(36, 2, 2)  # the failed builds changed nothing
+    assert _train(model, opt, batches)[0] == _train(twin, twin_opt, batches)[0]
+    # the model stays offloaded (placeholder, hooks) without its optimizer: still owned
+    del opt
+    with pytest.raises(ValueError, match="parameter 'up.weight' is already owned"):
+        fp8ops.CPUOffloadOptimizer([("up.weight", model.up.weight)], torch.optim.AdamW)
+
+
 def test_moving_or_converting_an_offloaded_weight_raises_and_no_op_conversions_pass():
     layer = fp8ops.FP8Linear(D, D, recipe=RECIPES[0])
     opt = fp8ops.CPUOffloadOptimizer(layer.named_parameters(), torch.optim.AdamW)
