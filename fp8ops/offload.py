@@ -72,9 +72,12 @@ class CPUOffloadOptimizer(Optimizer):
     optimizer_class; Adam, AdamW, SGD and Adagrad get fused=True unless fused or foreach is given.
 
     - An FP8Linear weight among `params` is kept on the device only as its FP8 cast (data, the
-      transposed copy backward needs, scales); its parameter becomes a placeholder and its
-      gradient goes to the host as backward produces it. Use such a weight only in FP8Linear
-      layers (the placeholder holds NaN).
+      transposed copy backward needs, scales); its parameter becomes a placeholder (the same
+      object, an OffloadedWeight: shape, dtype, device and gradient as before, but reading or
+      writing its values raises; master_of(param) gives them) and its gradient goes to the host
+      as backward produces it. copy.deepcopy(model) and torch.save(model) give ordinary
+      parameters with the masters' values.
+    - A parameter belongs to one CPUOffloadOptimizer: one already owned by another raises.
     - Any other parameter keeps a device copy in its own dtype, refreshed after each step. Its
       gradient goes to the host too and leaves the device (offload_gradients=True), or stays
       there, accumulated in its dtype, and is copied whole (offload_gradients=False).
