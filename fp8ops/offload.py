@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
+from .host_weight import OffloadedWeight
 from .modules import layers_by_weight
-from .offload_param import OffloadedParam
+from .offload_param import OffloadedParam, owner
 
 # torch optimizers with a fused CPU step: the host step uses it unless fused/foreach are given
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -54,6 +55,15 @@ def _check_param(param, what: str) -> None:
                         f"point parameters are supported")
 
 
+def _check_not_owned(param, what: str) -> None:
+    if owner(param) is not None or isinstance(param, OffloadedWeight):
+        raise ValueError(
+            f"CPUOffloadOptimizer: {what} is already owned by another CPUOffloadOptimizer (built "
+            f"earlier over the same model), which keeps its master and takes its gradients; "
+            f"one CPUOffloadOptimizer per model. To train a separate copy, build the second "
+            f"optimizer over copy.deepcopy(model)")
+
+
 class CPUOffloadOptimizer(Optimizer):
     """optimizer_class's step on the host, on FP32 master copies of `params`.
 
@@ -62,9 +72,12 @@ class CPUOffloadOptimizer(Optimizer):
     optimizer_class; Adam, AdamW, SGD and Adagrad get fused=True unless fused or foreach is given.
 
     - An FP8Linear weight among `params` is kept on the device only as its FP8 cast (data, the
-      transposed copy backward needs, scales); its parameter becomes a placeholder and its
-      gradient goes to the host as backward produces it. Use such a weight only in FP8Linear
-      layers (the placeholder holds NaN).
+      transposed copy backward needs, scales); its parameter becomes a placeholder (the same
+      object, an OffloadedWeight: shape, dtype, device and gradient as before, but reading or
+      writing its values raises; master_of(param) gives them) and its gradient goes to the host
+      as backward produces it. copy.deepcopy(model) and torch.save(model) give ordinary
+      parameters with the masters' values.
+    - A parameter belongs to one CPUOffloadOptimizer: one already owned by another raises.
     - Any other parameter keeps a device copy in its own dtype, refreshed after each step. Its
       gradient goes to the host too and leaves the device (offload_gradients=True), or stays
       there, accumulated in its dtype, and is copied whole (offload_gradients=False).
@@ -125,8 +138,14 @@ class CPUOffloadOptimizer(Optimizer):
             _check_param(p, what)
             if id(p) in installed or id(p) in taken:
                 raise ValueError(f"CPUOffloadOptimizer: {what} appears more than once")
+            _check_not_owned(p, what)
             taken.add(id(p))
         layers = layers_by_weight(tensors)
+        for i, (name, p) in enumerate(zip(names, tensors)):
+            if id(p) in layers and type(p) is not torch.nn.Parameter:
+                raise TypeError(f"CPUOffloadOptimizer: {_describe(name, index, i, p)} is an "
+                                f"FP8Linear weight of type {type(p).__qualname__}; only a plain "
+                                f"nn.Parameter can be offloaded")
         entries = [OffloadedParam(p, _describe(name, index, i, p), layers.get(id(p), []),
                                   self.offload_gradients, self._stream(p.device))
                    for i, (name, p) in enumerate(zip(names, tensors))]
@@ -171,6 +190,17 @@ class CPUOffloadOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"CPUOffloadOptimizer({self.optimizer!r})"
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The FP32 master of `param` (one of this optimizer's parameters), on the host: the
+        tensor the step updates, for an FP8Linear weight the only copy of its values. For
+        reading (norms, logging); change weights through model.load_state_dict()."""
+        for entry in self._params:
+            if entry.param is param:
+                return entry.master
+        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else None
+        raise ValueError(f"CPUOffloadOptimizer.master_of: the {torch.typename(param)} of shape "
+                         f"{shape} is not one of this optimizer's parameters")
 
     # -- the step ----------------------------------------------------------------------------
     def _gather(self) -> None:

@@ -8,21 +8,34 @@ Three kinds of parameter:
           FP32 master on the host, the device keeps the parameter in its own dtype and gets the
           new values after each step;
   fp8     an FP8Linear weight: the FP32 master on the host is its only high-precision copy; the
-          device parameter is a placeholder and the layers cast the master once per step
-          (host_weight.HostWeight).
+          device parameter becomes a placeholder that refuses to be read (host_weight.offload)
+          and the layers cast the master once per step (host_weight.HostWeight).
 Gradients of copy and fp8 parameters go to the host as soon as backward produces each one (a
 post-accumulate-grad hook; on CUDA a copy on a side stream, overlapped with the rest of backward)
 and are accumulated there in FP32.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .host_weight import HostWeight, placeholder
+from .host_weight import HostWeight, offload
 
 _F32 = torch.float32
+
+# every parameter a CPUOffloadOptimizer has taken over -> a weak reference to its
+# OffloadedParam, which lives as long as something of it is attached to the model (its gradient
+# hook), whether the optimizer does or not
+_OWNED = WeakIdKeyDictionary()
+
+
+def owner(param: torch.Tensor) -> Optional["OffloadedParam"]:
+    """The OffloadedParam that owns `param`, or None."""
+    ref = _OWNED.get(param)
+    return None if ref is None else ref()
 
 
 def _pinned_empty(shape, dtype) -> torch.Tensor:
@@ -61,13 +74,13 @@ class OffloadedParam:
     def install(self) -> None:
         """Make the model use the host copy: hooks, and for fp8 the placeholder parameter."""
         param = self.param
+        _OWNED[param] = weakref.ref(self)
         if self.kind == "fp8":
-            host = HostWeight(self.master, param.device, param.dtype)
+            host = HostWeight(self.master, param.device, param.dtype, self.name)
             for layer in self.layers:
                 # a cast made before now is remade from the master, with its scale, unstepped
                 layer.fp8_state.weight_values_changed()
-            with torch.no_grad():
-                param.data = placeholder(param)
+            offload(param, host)
             for layer in self.layers:
                 layer.fp8_state.host_weight = host
         if self.kind != "shared" and param.requires_grad:

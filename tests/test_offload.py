@@ -129,8 +129,8 @@ def test_delayed_scaling_weight_amax_comes_from_the_new_master():
     _train(model, opt, _batches(4, 2, 1))
     model(_batches(5, 1, 1)[0][0])  # the forward after the step casts the new weights
     up = model.up
-    master = up.fp8_state.host_weight.master
-    assert torch.isnan(up.weight).all()  # the parameter is the placeholder
+    master = opt.master_of(up.weight)
+    assert master is up.fp8_state.host_weight.master
     assert up.fp8_state.weight.pending_amax == master.abs().max()
 
 
@@ -358,6 +358,164 @@ def test_model_state_dict_has_the_weights_and_loads_into_a_plain_model():
         model.load_state_dict(bad)
 
 
+# -- the parameter of an offloaded FP8Linear weight, as user code touches it -------------------
+_OWNED_MSG = (r"parameter 'up\.weight' is an FP8Linear weight owned by a CPUOffloadOptimizer; its "
+              r"values are the optimizer's FP32 master on the host")
+_READS = {
+    "norm": lambda w: w.norm(),
+    "arithmetic": lambda w: w * 2,
+    "item": lambda w: float(w[0, 0]),
+    "equal": lambda w: torch.equal(w, w),
+    "stack": lambda w: torch.stack([w, w]),
+    "data": lambda w: w.data.abs().max(),
+    "detach": lambda w: w.detach().sum(),
+    "transpose": lambda w: w.T.sum(),
+    "to_vector": lambda w: torch.nn.utils.parameters_to_vector([w]),
+    "tied_module": lambda w: nn.functional.embedding(torch.tensor([0]), w),
+    "write": lambda w: w.data.mul_(2),
+    "init": lambda w: nn.init.normal_(w),
+    "assign": lambda w: setattr(w, "data", torch.zeros(w.shape)),
+}
+
+
+@pytest.mark.parametrize("read", list(_READS))
+def test_reading_an_offloaded_weight_raises_and_says_where_the_values_are(read):
+    model = _model(RECIPES[0])
+    opt = fp8ops.CPUOffloadOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, _batches(30, 1, 1))
+    master = opt.master_of(model.up.weight).clone()
+    with pytest.raises(RuntimeError, match=_OWNED_MSG + r".*opt\.master_of\(param\).*"
+                                           r"model\.state_dict\(\)"):
+        _READS[read](model.up.weight)
+    assert torch.equal(opt.master_of(model.up.weight), master)
+    assert model.up.weight.untyped_storage().nbytes() == 4
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_an_offloaded_model_is_used_as_any_model(recipe):
+    ref = _model(recipe)
+    model = copy.deepcopy(ref)
+    count = sum(p.numel() for p in model.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = fp8ops.CPUOffloadOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    for m in (ref, model):
+        fp8ops.monitor(m, every=1)
+    w = model.up.weight
+    assert sum(p.numel() for p in model.parameters()) == count  # the real count
+    assert isinstance(w, nn.Parameter) and w.requires_grad and w.is_leaf
+    assert (w.shape, w.dtype, w.device) == (ref.up.weight.shape, torch.float32,
+                                            ref.up.weight.device)
+    text = [repr(model), repr(w), str(w), f"{w}", "%s" % (w,)]
+    assert all("nan" not in t.lower() for t in text)
+    assert all("parameter 'up.weight'" in t and "master_of" in t for t in text[1:])
+    model.to("cpu").float().to(torch.float32).cpu().requires_grad_(True)  # these change nothing
+
+    for step, micro in enumerate(_batches(33, 3, 2)):
+        for m in (ref, model):
+            for idx in micro:
+                m(idx).pow(2).mean().backward()
+        # over the model, torch's clipping sees the gradients left on the device: none of an
+        # offloaded FP8Linear weight (opt.clip_grad_norm_ clips the host ones); it reads no value
+        device_grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert w.grad is None and len(device_grads) == len(list(model.parameters())) - 2
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        assert torch.isfinite(norm) and torch.equal(norm, torch.nn.utils.get_total_norm(
+            device_grads))
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    _assert_same(_weights(model), _weights(ref))
+    kept = model.state_dict(keep_vars=True)
+    assert type(kept["up.weight"]) is torch.Tensor
+    assert torch.equal(kept["up.weight"], opt.master_of(w))
+    stats, ref_stats = fp8ops.stats(model), fp8ops.stats(ref)
+    assert stats == ref_stats and all(math.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_a_copy_of_an_offloaded_model_trains_on_its_own(recipe, dtype):
+    """copy.deepcopy of an offloaded model: ordinary parameters with the masters' values, owned
+    by no optimizer, trained by any optimizer as a model loaded from the same checkpoint."""
+    model = _model(recipe).to(dtype)
+    opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, _batches(31, 2, 2))
+    master = opt.master_of(model.up.weight).clone()
+    ckpt = copy.deepcopy(model.state_dict())
+    batches = _batches(32, 3, 2)
+    for make_opt in (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+                     lambda p: fp8ops.CPUOffloadOptimizer(p, torch.optim.AdamW, lr=1e-2)):
+        twin = copy.deepcopy(model)
+        for layer in _fp8_layers(twin):
+            assert type(layer.weight) is nn.Parameter and layer.fp8_state.host_weight is None
+        assert twin.up.weight.dtype == dtype and torch.equal(twin.up.weight, master.to(dtype))
+        ref = _model(recipe, seed=99).to(dtype)
+        ref.load_state_dict(ckpt)
+        expected, _ = _train(ref, make_opt(ref.parameters()), batches)
+        assert _train(twin, make_opt(twin.parameters()), batches)[0] == expected
+        _assert_same(_weights(twin), _weights(ref))
+    assert torch.equal(opt.master_of(model.up.weight), master)  # the original is untouched
+
+
+def test_a_saved_offloaded_model_loads_as_a_plain_model():
+    model = _model(RECIPES[1])
+    opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, _batches(34, 2, 1))
+    saved = {}
+    for name, m in (("offloaded", model), ("copy", copy.deepcopy(model))):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        saved[name] = buf.getvalue()
+    # the masters are saved once, as the parameters' values, not a second time as host weights
+    assert len(saved["offloaded"]) < len(saved["copy"]) + 1024
+    loaded = torch.load(io.BytesIO(saved["offloaded"]), weights_only=False)
+    for layer in _fp8_layers(loaded):
+        assert type(layer.weight) is nn.Parameter and layer.fp8_state.host_weight is None
+    _assert_same(_weights(loaded), _weights(model))
+    ref = _model(RECIPES[1], seed=99)
+    ref.load_state_dict(model.state_dict())
+    batches = _batches(35, 2, 1)
+    expected, _ = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), batches)
+    assert _train(loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2, fused=True),
+                  batches)[0] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_second_optimizer_over_owned_parameters_raises_naming_one(dtype):
+    model = _model(RECIPES[0]).to(dtype)
+    twin = copy.deepcopy(model)
+    opt = fp8ops.CPUOffloadOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    twin_opt = fp8ops.CPUOffloadOptimizer(twin.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match="master_of: .* not one of this optimizer's param"):
+        opt.master_of(twin.up.weight)
+    owned = [list(model.named_parameters()), [("up.weight", model.up.weight)],
+             list(model.ln.named_parameters(prefix="ln"))]
+    for params in owned:  # the first of them is named
+        name = params[0][0]
+        with pytest.raises(ValueError, match=rf"parameter '{name}' is already owned by another "
+                                             r"CPUOffloadOptimizer.*copy\.deepcopy\(model\)"):
+            fp8ops.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-2)
+    batches = _batches(36, 2, 2)  # the failed builds changed nothing
+    assert _train(model, opt, batches)[0] == _train(twin, twin_opt, batches)[0]
+    # the model stays offloaded (placeholder, hooks) without its optimizer: still owned
+    del opt
+    with pytest.raises(ValueError, match="parameter 'up.weight' is already owned"):
+        fp8ops.CPUOffloadOptimizer([("up.weight", model.up.weight)], torch.optim.AdamW)
+
+
+def test_moving_or_converting_an_offloaded_weight_raises_and_no_op_conversions_pass():
+    layer = fp8ops.FP8Linear(D, D, recipe=RECIPES[0])
+    opt = fp8ops.CPUOffloadOptimizer(layer.named_parameters(), torch.optim.AdamW)
+    layer.to("cpu").float().to(torch.float32).cpu()
+    assert layer.weight.type() == "torch.FloatTensor"
+    for convert in (layer.half, layer.double, lambda: layer.to(torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="parameter 'weight' is an FP8Linear weight .* "
+                                               "move or convert the model before building"):
+            convert()
+    assert layer.weight.dtype == torch.float32 and layer.weight.untyped_storage().nbytes() == 4
+    assert opt.master_of(layer.weight).dtype == torch.float32
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_error_for_a_non_leaf_parameter_names_it():
     model = _model(RECIPES[0])
@@ -398,6 +556,14 @@ def test_other_errors():
                                    torch.optim.AdamW)
     with pytest.raises(TypeError, match="unexpected keyword"):
         fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, nonsense=1)
+
+    class Tagged(nn.Parameter):
+        pass
+
+    model.up.weight = Tagged(model.up.weight.detach())
+    with pytest.raises(TypeError, match="parameter 'up.weight' is an FP8Linear weight of type .*"
+                                        "Tagged; only a plain nn.Parameter"):
+        fp8ops.CPUOffloadOptimizer(model.named_parameters(), torch.optim.AdamW)
     assert model.up.weight.untyped_storage().nbytes() > 4  # a failed build changes nothing
 
 
