@@ -126,7 +126,8 @@ class _Offloaded:
                 return _call(func, args, kwargs)
         elif func in _METADATA:
             return _call(func, args, kwargs)
-        elif func is torch.Tensor.detach:
+        elif func is torch.Tensor.detach or func is torch.Tensor.t:
+            # an alias that keeps the guard (FP8Conv1D passes weight.t() to the FP8 linear)
             return _alias(self, func, args)
         elif func in _CONVERSIONS:
             return _convert(self, func, args, kwargs)
