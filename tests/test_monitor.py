@@ -90,6 +90,50 @@ def test_nonfinite_is_counted_and_can_raise():
         m(x)
 
 
+@pytest.mark.parametrize("recipe", [fp8ops.CurrentScaling(), fp8ops.DelayedScaling()],
+                         ids=lambda r: type(r).__name__)
+def test_scale_is_the_one_the_cast_used(recipe):
+    """Every tensor has amax 1, so the casts use scale = max / 1, whose float32 reciprocal does
+    not invert back to it: the statistic must be the scale itself."""
+    layer = fp8ops.FP8Linear(16, 8, recipe=recipe)
+    m = nn.Sequential(layer)
+    fp8ops.monitor(m, every=1)
+    gen = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+    x, dy = x / x.abs().max(), dy / dy.abs().max()
+    with torch.no_grad():
+        layer.weight.div_(layer.weight.abs().max())
+    for _ in range(2):  # delayed scaling: the second step's casts use max / amax of the first's
+        with torch.no_grad():
+            layer.weight.mul_(1.0)  # a new weight version: recast (and step the weight role)
+        m(x).backward(dy)
+    s = fp8ops.stats(m)
+    fwd, bwd = fp8ops.E4M3.max, fp8ops.E5M2.max
+    for role, fmax in (("input", fwd), ("weight", fwd), ("grad", bwd)):
+        assert torch.reciprocal(torch.reciprocal(torch.tensor(fmax))).item() != fmax
+        assert s[f"0.{role}.scale"] == fmax, role
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_nonfinite_casts_count_the_current_cast(recipe):
+    """Three training steps whose input, weight and gradient each hold a NaN: every role has met
+    non-finite values in three casts (DelayedScaling counts every cast; here every one is
+    sampled)."""
+    layer = fp8ops.FP8Linear(64, 32, recipe=recipe)
+    m = nn.Sequential(layer)
+    fp8ops.monitor(m, every=1)
+    x, dy = torch.randn(4, 64), torch.randn(4, 32)
+    x[0, 0] = dy[1, 1] = float("nan")
+    counts = []
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight[2, 3] = float("nan")  # a new weight version: cast again
+        m(x).backward(dy)
+        s = fp8ops.stats(m)
+        counts.append([s[f"0.{role}.nonfinite_casts"] for role in ("input", "weight", "grad")])
+    assert counts == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+
+
 def test_off_computes_nothing_and_stats_needs_a_monitor(monkeypatch):
     m = _model(fp8ops.CurrentScaling())
     with pytest.raises(ValueError, match="no monitor"):
