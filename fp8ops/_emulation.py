@@ -590,8 +590,10 @@ def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: 
 def amax_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
     """The outlier-robust amax: the value of nearest rank ceil(percentile / 100 * n) among the
     n values |x| in ascending order (percentile 100 is the max), as float32. NaN if x holds a
-    NaN (the scale then stays, as for a NaN amax), 0 for an empty x. A selection, not an
-    interpolation: the result is one of the |x|, identical on every device."""
+    NaN (the scale then stays, as for a NaN amax), 0 for an empty or all-zero x. When that rank
+    holds 0 but x does not (mostly zeros), max |x| instead: amax 0 would keep scale 1, which
+    flushes small values to zero. A selection, not an interpolation: the
+    result is one of the |x|, identical on every device."""
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {percentile}")
     a = x.float().abs().flatten()
@@ -601,5 +603,8 @@ def amax_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
     # ceil(p / 100 * n) in float64, rounded to 1e-9 first so that a decimal percentile lands on
     # its exact rank (99.99 / 100 * 10000 is 9999.000000000002 in float64)
     k = min(max(math.ceil(round(percentile / 100.0 * n, 9)), 1), n)
-    value = torch.kthvalue(torch.nan_to_num(a, nan=0.0), k).values
+    clean = torch.nan_to_num(a, nan=0.0)
+    value = torch.kthvalue(clean, k).values
+    if not _on_host(value) or value.item() == 0:  # (off the host: no sync, always the where)
+        value = torch.where(value > 0, value, clean.amax())
     return torch.where(torch.isnan(a).any(), torch.full_like(value, float("nan")), value)

@@ -214,6 +214,24 @@ def test_amax_percentile_decimal_rank_and_specials():
         fp8ops.CurrentScaling(amax_percentile=0.0)
 
 
+def test_amax_percentile_of_a_mostly_zero_tensor_is_its_max():
+    """Under 1% non-zeros: the 99th percentile of |x| is 0, which would keep scale 1 and flush
+    these values to zero; the amax is max |x| instead (0 only for an all-zero tensor)."""
+    x = torch.zeros(8, 125)
+    x[0, :4] = torch.tensor([1e-4, -2e-4, 3e-4, -4e-4])  # below half of E4M3's least subnormal
+    for fn in (_emulation.amax_percentile, torch.ops.fp8ops.amax_percentile):
+        assert fn(x, 99.0).item() == x.abs().max().item()
+        assert fn(x, 50.0).item() == x.abs().max().item()
+        assert fn(torch.zeros(8, 125), 99.0).item() == 0.0
+    assert torch.isnan(_emulation.amax_percentile(x.where(x != 0, float("nan")), 99.0))
+    m = nn.Sequential(fp8ops.FP8Linear(125, 16, recipe=fp8ops.CurrentScaling(amax_percentile=99)))
+    fp8ops.monitor(m, every=1)
+    m(x)
+    s = fp8ops.stats(m)
+    assert s["0.input.underflow_frac"] == 0.0
+    assert s["0.input.scale"] == fp8ops.scaling.current_scale(x.abs().max(), "e4m3").item()
+
+
 def test_amax_percentile_lets_outliers_saturate():
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     x[0, 0] = 1000.0  # one outlier would set the scale alone
