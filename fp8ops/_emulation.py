@@ -558,22 +558,33 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                    b_scale_inv: torch.Tensor, bias: Optional[torch.Tensor],
                    out_dtype: torch.dtype) -> torch.Tensor:
     """a [M,K] with 1x128 scales [M, Kb]; b [N,K] with 1x128 [N, Kb] or 128x128 [Nb, Kb] scales.
-    Each 128-long K block is accumulated in float32, then scaled and added (promotion)."""
+    Each 128-long K block is accumulated in float32, then multiplied by the product of its two
+    scales and added (promotion): acc += partial * (a_scale_inv * b_scale_inv).
+
+    The scales are multiplied first (one float32 product), as the CUTLASS sm90 blockwise
+    mainloop does (csrc/gemm_sm90.cuh: with 128x128 B scales it multiplies each row's A scale by
+    the tile's B scale before promoting; its per-row B path is specialized to do the same).
+    Multiplying the partial sum by one scale and then the other overflows float32 where the
+    result does not (activations near 1e37 times small weights). The kernel fuses the multiply
+    and the add (one FFMA) where this rounds the product first: they agree to float32 rounding,
+    as their partial sums do (the tensor cores sum in their own order)."""
     M, K = a.shape
     N = b.shape[0]
     sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
     acc = torch.empty(M, N, dtype=torch.float32, device=a.device)
     af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
     part = scratch("gemm_part", (M, N), torch.float32, a.device)
+    scale = scratch("gemm_scale", (M, N), torch.float32, a.device)
     # [M, 1] each; [Kb, N] (contiguous rows broadcast several times faster than strided ones)
     a_cols, b_rows = _f32(a_scale_inv).split(1, 1), _f32(sb).t().contiguous()
     n_kb = -(-K // 128)
     for kb, ak, bk in zip(range(n_kb), af.split(128, 1), bf.split(128, 1)):
         torch.mm(ak, bk.t(), out=acc if kb == 0 else part)
+        torch.mul(a_cols[kb], b_rows[kb], out=scale)  # the block's scale per output element
         if kb == 0:  # the sum starts from zeros: 0 + v is v with -0 made +0 (NaN kept)
-            acc.mul_(a_cols[0]).mul_(b_rows[0]).add_(0.0)
+            acc.mul_(scale).add_(0.0)
         else:
-            acc.add_(part.mul_(a_cols[kb]).mul_(b_rows[kb]))
+            acc.add_(part.mul_(scale))
     if n_kb == 0:
         acc.zero_()
     return _epilogue(acc, bias, out_dtype)
