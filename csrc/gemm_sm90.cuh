@@ -1,7 +1,8 @@
 // CUTLASS 3.x Hopper (sm_90a) FP8 GEMM templates: TMA + WGMMA, warp-specialized, persistent.
 // D[M,N] = alpha * (A[M,K] @ B[N,K]^T) + bias[N], A and B K-major (TN), FP32 accumulation.
 // Per-tensor: alpha = (*a_scale_inv) * (*b_scale_inv) read on the device in the epilogue.
-// Blockwise: per 128-long K block, acc += partial * sfa[m,kb] * sfb[n or n/128, kb] (promotion).
+// Blockwise: per 128-long K block, acc += partial * (sfa[m,kb] * sfb[n or n/128, kb]) (promotion:
+// the two scales multiplied first, as the emulation does).
 //
 // One template per kernel family, instantiated explicitly in gemm_sm90_<...>.cu (split so the
 // heavy instantiations build in parallel); gemm_sm90.cu dispatches to them and sees only the
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "fp8ops.h"
 
@@ -279,6 +281,51 @@ struct GemmBlockwiseSm90Types {
   }
 };
 
+// The order of the promotion's float32 operations. CUTLASS's sm90 blockwise mainloop
+// (gemm/collective/sm90_mma_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp, promoting
+// through GmmaFP8Accumulation in gemm/collective/fp8_accumulation.hpp) with 128x128 weight
+// scales (one B scale per tile along N) first multiplies each row's A scale by the tile's B
+// scale and then promotes with scale_core(scale): accum += partial * scale, which nvcc fuses
+// into one FFMA. With per-row B scales (scales along both M and N) it would call
+// scale_core(scaleA, scaleB): accum += partial * scaleA * scaleB, whose first product
+// overflows float32 where the result does not (activations near 1e37 times small weights). The
+// specialization below makes that path combine the two scales first as well, so both paths and
+// the emulation (_emulation.gemm_blockwise) compute acc += partial * (sa * sb).
+//
+// The accumulator type GmmaFP8Accumulation wraps: the kernel allocates it as
+// partition_fragment_C(TiledMma, tile (M, N)) and hands it to the mainloop.
+template <class Types>
+using BlockwiseAccum = decltype(cute::partition_fragment_C(
+    typename Types::Mainloop::TiledMma{}, cute::take<0, 2>(typename Types::Tile{})));
+// Every blockwise instantiation has this accumulator type (a static_assert in run() checks it),
+// so the one specialization covers them all.
+using PromotedAccum = BlockwiseAccum<GemmBlockwiseSm90Types<DType::kE4M3, DType::kE4M3, DType::kBFloat16, 1>>;
+
+}  // namespace fp8ops::sm90
+
+// Device code only: the host pass never runs it, and GCC 12 rejects the member's class as
+// cudafe++ spells it for the host compiler (a variable template in a template argument).
+#ifdef __CUDA_ARCH__
+namespace cutlass::gemm::collective {
+template <>
+template <class EngineScaleA, class LayoutScaleA, class EngineScaleB, class LayoutScaleB>
+CUTLASS_DEVICE void
+GmmaFP8Accumulation<fp8ops::sm90::PromotedAccum::engine_type, fp8ops::sm90::PromotedAccum::layout_type>::scale_core(
+    const cute::Tensor<EngineScaleA, LayoutScaleA>& scaleA, const cute::Tensor<EngineScaleB, LayoutScaleB>& scaleB) {
+  using LayoutAcc = typename TensorAccum::layout_type;
+  static_assert(LayoutAcc{}.shape() == LayoutScaleA{}.shape(), "accumulator and scaleA differ in shape");
+  static_assert(LayoutAcc{}.shape() == LayoutScaleB{}.shape(), "accumulator and scaleB differ in shape");
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < cute::size(accum_); ++i) {
+    ElementAccumulator scale = scaleA(i) * scaleB(i);  // one float32 product, then the promotion
+    accum_(i) += accum_temp_(i) * scale;
+  }
+}
+}  // namespace cutlass::gemm::collective
+#endif  // __CUDA_ARCH__
+
+namespace fp8ops::sm90 {
+
 template <DType A, DType B, DType D, int G>
 size_t GemmBlockwiseSm90<A, B, D, G>::workspace_size(const GemmBlockwiseParams& p, int sm_count) {
   using Ty = GemmBlockwiseSm90Types<A, B, D, G>;
@@ -288,6 +335,8 @@ size_t GemmBlockwiseSm90<A, B, D, G>::workspace_size(const GemmBlockwiseParams& 
 template <DType A, DType B, DType D, int G>
 void GemmBlockwiseSm90<A, B, D, G>::run(const GemmBlockwiseParams& p, int sm_count, cudaStream_t stream) {
   using Ty = GemmBlockwiseSm90Types<A, B, D, G>;
+  static_assert(std::is_same_v<BlockwiseAccum<Ty>, PromotedAccum>,
+                "this blockwise GEMM's accumulator type has no scale-combining promotion (see PromotedAccum)");
   typename Ty::Gemm gemm;
   run_cutlass(gemm, Ty::arguments(p, sm_count, current_device()), p.workspace, p.workspace_bytes, stream, "gemm_blockwise_sm90");
 }

@@ -558,22 +558,33 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                    b_scale_inv: torch.Tensor, bias: Optional[torch.Tensor],
                    out_dtype: torch.dtype) -> torch.Tensor:
     """a [M,K] with 1x128 scales [M, Kb]; b [N,K] with 1x128 [N, Kb] or 128x128 [Nb, Kb] scales.
-    Each 128-long K block is accumulated in float32, then scaled and added (promotion)."""
+    Each 128-long K block is accumulated in float32, then multiplied by the product of its two
+    scales and added (promotion): acc += partial * (a_scale_inv * b_scale_inv).
+
+    The scales are multiplied first (one float32 product), as the CUTLASS sm90 blockwise
+    mainloop does (csrc/gemm_sm90.cuh: with 128x128 B scales it multiplies each row's A scale by
+    the tile's B scale before promoting; its per-row B path is specialized to do the same).
+    Multiplying the partial sum by one scale and then the other overflows float32 where the
+    result does not (activations near 1e37 times small weights). The kernel fuses the multiply
+    and the add (one FFMA) where this rounds the product first: they agree to float32 rounding,
+    as their partial sums do (the tensor cores sum in their own order)."""
     M, K = a.shape
     N = b.shape[0]
     sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
     acc = torch.empty(M, N, dtype=torch.float32, device=a.device)
     af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
     part = scratch("gemm_part", (M, N), torch.float32, a.device)
+    scale = scratch("gemm_scale", (M, N), torch.float32, a.device)
     # [M, 1] each; [Kb, N] (contiguous rows broadcast several times faster than strided ones)
     a_cols, b_rows = _f32(a_scale_inv).split(1, 1), _f32(sb).t().contiguous()
     n_kb = -(-K // 128)
     for kb, ak, bk in zip(range(n_kb), af.split(128, 1), bf.split(128, 1)):
         torch.mm(ak, bk.t(), out=acc if kb == 0 else part)
+        torch.mul(a_cols[kb], b_rows[kb], out=scale)  # the block's scale per output element
         if kb == 0:  # the sum starts from zeros: 0 + v is v with -0 made +0 (NaN kept)
-            acc.mul_(a_cols[0]).mul_(b_rows[0]).add_(0.0)
+            acc.mul_(scale).add_(0.0)
         else:
-            acc.add_(part.mul_(a_cols[kb]).mul_(b_rows[kb]))
+            acc.add_(part.mul_(scale))
     if n_kb == 0:
         acc.zero_()
     return _epilogue(acc, bias, out_dtype)
@@ -590,8 +601,10 @@ def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: 
 def amax_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
     """The outlier-robust amax: the value of nearest rank ceil(percentile / 100 * n) among the
     n values |x| in ascending order (percentile 100 is the max), as float32. NaN if x holds a
-    NaN (the scale then stays, as for a NaN amax), 0 for an empty x. A selection, not an
-    interpolation: the result is one of the |x|, identical on every device."""
+    NaN (the scale then stays, as for a NaN amax), 0 for an empty or all-zero x. When that rank
+    holds 0 but x does not (mostly zeros), max |x| instead: amax 0 would keep scale 1, which
+    flushes small values to zero. A selection, not an interpolation: the
+    result is one of the |x|, identical on every device."""
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {percentile}")
     a = x.float().abs().flatten()
@@ -601,5 +614,8 @@ def amax_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
     # ceil(p / 100 * n) in float64, rounded to 1e-9 first so that a decimal percentile lands on
     # its exact rank (99.99 / 100 * 10000 is 9999.000000000002 in float64)
     k = min(max(math.ceil(round(percentile / 100.0 * n, 9)), 1), n)
-    value = torch.kthvalue(torch.nan_to_num(a, nan=0.0), k).values
+    clean = torch.nan_to_num(a, nan=0.0)
+    value = torch.kthvalue(clean, k).values
+    if not _on_host(value) or value.item() == 0:  # (off the host: no sync, always the where)
+        value = torch.where(value > 0, value, clean.amax())
     return torch.where(torch.isnan(a).any(), torch.full_like(value, float("nan")), value)

@@ -119,7 +119,8 @@ class PerTensorLinear(torch.autograd.Function):
         x_scale_inv = torch.reciprocal(x_scale)
         ctx.sampled = monitoring.sampling(state)
         if ctx.sampled:
-            monitoring.observe(state, "input", monitoring.per_tensor_stats(x2, xq, x_scale_inv))
+            monitoring.observe(state, "input", monitoring.per_tensor_stats(x2, xq, x_scale),
+                               recorded=not _live(state))
         y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
         ctx.recipe, ctx.bwd, ctx.state, ctx.x_dtype = recipe, bwd, state, x2.dtype
@@ -146,7 +147,7 @@ class PerTensorLinear(torch.autograd.Function):
             state.grad.record(g_amax, recipe.process_group)
         g_scale_inv = torch.reciprocal(g_scale)
         if ctx.sampled:
-            monitoring.observe(state, "grad", monitoring.per_tensor_stats(dy2, gq, g_scale_inv))
+            monitoring.observe(state, "grad", monitoring.per_tensor_stats(dy2, gq, g_scale))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _ops.gemm(gq, w_data_t, g_scale_inv, w_scale_inv, None, ctx.x_dtype, False)
@@ -179,12 +180,12 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
         if step:
             state.weight.record(w_amax, recipe.process_group)
             state.weight.started = True
-        return (data, data_t, torch.reciprocal(scale)), scale
+        return (data, data_t, torch.reciprocal(scale), scale), scale
 
-    w_data, w_data_t, w_scale_inv = _cast_weight(weight, state, cast_weight, live)
+    w_data, w_data_t, w_scale_inv, w_scale = _cast_weight(weight, state, cast_weight, live)
     if monitoring.sampling(state):
         monitoring.observe(state, "weight", monitoring.per_tensor_stats(
-            monitoring.weight_values(state, weight), w_data, w_scale_inv))
+            monitoring.weight_values(state, weight), w_data, w_scale))
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
                                  recipe.margin, delayed and _warm(state, "input", live))
     if recipe.grad_rounding == "stochastic" and state is None:

@@ -54,6 +54,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if isinstance(recipe, DelayedScaling) and state is None:
         raise ValueError("DelayedScaling keeps an amax history: pass state=fp8ops.ScalingState("
                          "recipe) (FP8Linear does this for you)")
+    if weight.shape[1] == 0:
+        return _no_inputs(input, weight, bias)
     lead = input.shape[:-1]
     x2 = input.reshape(-1, weight.shape[1])
     if isinstance(recipe, (DelayedScaling, CurrentScaling)):
@@ -63,3 +65,14 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     elif isinstance(recipe, BlockwiseScaling):
         y = linear_blockwise(x2, weight, bias, recipe, state)
     return y.reshape(*lead, weight.shape[0])
+
+
+def _no_inputs(input: torch.Tensor, weight: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """in_features == 0: an empty sum, so nothing to cast or multiply. The result is the bias
+    broadcast over the batch (zeros without one) and the gradients are nn.Linear's: zeros
+    [out, 0] for the weight, the sum of the incoming gradient for the bias. Nothing is cast,
+    so delayed scaling records nothing."""
+    dtype = input.dtype
+    return torch.nn.functional.linear(input, weight.to(dtype),
+                                      None if bias is None else bias.to(dtype))

@@ -6,7 +6,7 @@
 
 Per FP8 layer and role (input, weight, grad), at the last sampled cast:
   amax              max |x| of the tensor cast
-  scale             the per-tensor scale (per-tensor recipes)
+  scale             the per-tensor scale the cast used (per-tensor recipes)
   amax_history_max  max of the amax history (DelayedScaling)
   saturated_frac    finite elements the cast clamped to the format's max (more than half an
                     ulp above it: a clamp, not a rounding)
@@ -72,12 +72,15 @@ def _fractions(x: torch.Tensor, dq: torch.Tensor, raw: torch.Tensor,
             "nonfinite": (~finite).sum(), "amax": x.abs().amax() if x.numel() else x.new_zeros(())}
 
 
-def per_tensor_stats(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor):
-    """Statistics of a per-tensor cast: data (float8) = cast(x * scale)."""
+def per_tensor_stats(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor):
+    """Statistics of a per-tensor cast: data (float8) = cast(x * scale). `scale` is the one the
+    cast used and is reported as is (the reciprocal of its reciprocal can differ in the last
+    bit); the values are read back with its reciprocal, as the GEMMs read them."""
     fmt = get_format(data.dtype)
     raw = data.float()
-    out = _fractions(x, raw * scale_inv.float(), raw, fmt)
-    out["scale"] = torch.reciprocal(scale_inv.float().reshape(()))
+    scale = scale.float().reshape(()).clone()
+    out = _fractions(x, raw * torch.reciprocal(scale), raw, fmt)
+    out["scale"] = scale
     return out
 
 
@@ -133,14 +136,19 @@ def sampling(state) -> bool:
     return attached is not None and state.recording and attached[0].sampling
 
 
-def observe(state, role: str, stats: Dict[str, torch.Tensor]) -> None:
-    """Keep the statistics of one sampled cast of `role` under `state` (a ScalingState)."""
+def observe(state, role: str, stats: Dict[str, torch.Tensor], recorded: bool = True) -> None:
+    """Keep the statistics of one sampled cast of `role` under `state` (a ScalingState).
+    recorded=False: the delayed-scaling role records this cast only after it is observed (the
+    input's amax is recorded once its forward returns), so the count adds this cast itself."""
     mon, layer = state.monitor
     stats = {k: v.detach() for k, v in stats.items()}
     role_state = getattr(state, role, None) if state.delayed else None
     if role_state is not None:
         stats["amax_history_max"] = role_state.amax_history.max()
-        stats["nonfinite_casts"] = role_state.nonfinite_count.clone()
+        count = role_state.nonfinite_count
+        if not recorded:  # record() counts a cast whose amax is not finite: any inf/NaN element
+            count = count + (stats["nonfinite"] > 0).to(count.dtype)
+        stats["nonfinite_casts"] = count.clone()
     else:
         key = (layer, role)
         count = mon.sampled_nonfinite.get(key)

@@ -51,6 +51,14 @@ def _check_int(name, value, low, high=None):
         raise ValueError(f"{name} must be {bounds}, got {value}")
 
 
+def _check_in_range(name, value, high):
+    """value in (0, high], a real number: a bool (True would pass as 1) or a string is not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number in (0, {high}], got {value!r}")
+    if not 0 < value <= high:
+        raise ValueError(f"{name} must be in (0, {high}], got {value!r}")
+
+
 def as_float32(value) -> float:
     """value rounded to float32 (inf when it overflows, 0 when it underflows), as the ops see it."""
     # on the CPU whatever the default device (a meta one has no value to read)
@@ -99,10 +107,8 @@ class DelayedScaling:
                              f"got {self.amax_compute_algo!r}")
         _check_int("interval", self.interval, 1)
         _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
-        if not 0 < self.ema_alpha <= 1:
-            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
-        if not 0 < self.percentile <= 100:
-            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        _check_in_range("ema_alpha", self.ema_alpha, 1)
+        _check_in_range("percentile", self.percentile, 100)
         check_margin(self.margin)
         if self.grad_margin is not None:
             check_margin(self.grad_margin, "grad_margin")
@@ -113,7 +119,12 @@ class DelayedScaling:
 
 @dataclass(frozen=True)
 class CurrentScaling:
-    """Per-tensor scales from the tensor being cast (one amax pass, then the cast)."""
+    """Per-tensor scales from the tensor being cast (one amax pass, then the cast).
+
+    amax_percentile (None or a number in (0, 100]): take the amax as that percentile of |x|
+    (nearest rank) rather than its max. A tensor with fewer non-zeros than the ranks above the
+    percentile (e.g. at most 1% non-zeros at 99) has percentile 0: its plain max |x| is used then,
+    as a scale of 1 would flush its small values to zero."""
 
     margin: float = 1.0
     fwd_fmt: str = "e4m3"
@@ -123,17 +134,16 @@ class CurrentScaling:
     seed: int = 0
     grad_margin: Optional[float] = None  # margin of the gradient casts (None: `margin`)
     # None: amax = max |x|. A percentile (e.g. 99.99): the amax is that percentile of |x| within
-    # the tensor (nearest rank), so a few outliers saturate instead of stretching the scale.
+    # the tensor (nearest rank), so a few outliers saturate instead of stretching the scale
+    # (max |x| where that percentile is 0 but x is not all zero; see above).
     amax_percentile: Optional[float] = None
 
     def __post_init__(self):
         check_margin(self.margin)
         if self.grad_margin is not None:
             check_margin(self.grad_margin, "grad_margin")
-        if self.amax_percentile is not None and not (
-                isinstance(self.amax_percentile, numbers.Real) and 0 < self.amax_percentile <= 100):
-            raise ValueError(f"amax_percentile must be in (0, 100] or None, "
-                             f"got {self.amax_percentile!r}")
+        if self.amax_percentile is not None:
+            _check_in_range("amax_percentile", self.amax_percentile, 100)
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)

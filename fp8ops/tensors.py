@@ -90,6 +90,22 @@ def _check_input(x, name: str = "x") -> torch.Tensor:
     return x
 
 
+def _check_int(name: str, value) -> int:
+    """An int argument: a bool, float or string (1.5, None, "32") is named here rather than
+    failing later in an op, or passing as another number (True as 1, 2.7 as 2)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _check_int64(name: str, value) -> int:
+    """An int the ops take as an int64 (a Philox seed or offset)."""
+    value = _check_int(name, value)
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError(f"{name} must fit in an int64, got {value}")
+    return value
+
+
 def _check_out_dtype(dtype) -> torch.dtype:
     if dtype not in _OUT_DTYPES:
         raise TypeError(f"output dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -141,6 +157,7 @@ def quantize(x: torch.Tensor, fmt="e4m3", scale=None, *, rounding: str = "neares
     fmt = get_format(fmt)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    seed, offset = _check_int64("seed", seed), _check_int64("offset", offset)
     if transpose and x.dim() == 0:
         raise ValueError("transpose=True needs a tensor with at least one dimension")
     check_margin(margin)
@@ -149,7 +166,7 @@ def quantize(x: torch.Tensor, fmt="e4m3", scale=None, *, rounding: str = "neares
     else:
         scale = _scale_tensor(scale, x.device)
     data, data_t, _ = torch.ops.fp8ops.quantize(x, scale, fmt.dtype, transpose,
-                                                rounding == "stochastic", int(seed), int(offset))
+                                                rounding == "stochastic", seed, offset)
     return Float8Tensor(data, scale, torch.reciprocal(scale), fmt, data_t if transpose else None)
 
 
@@ -167,12 +184,15 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3", block_size: int = 32, axis: int = -
     fmt = get_format(fmt)
     if scale_mode not in ("floor", "rceil"):
         raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
+    block_size, axis = _check_int("block_size", block_size), _check_int("axis", axis)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
     if x.dim() == 0:
         raise ValueError("quantize_mx needs a tensor with at least one dimension")
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis {axis} is out of range for a {x.dim()}-D tensor")
     axis = axis % x.dim()
-    if block_size <= 0 or x.shape[axis] % block_size:
+    if x.shape[axis] % block_size:
         raise ValueError(f"the length along axis {axis} ({x.shape[axis]}) must be a multiple of "
                          f"block_size {block_size}")
     data, scales = torch.ops.fp8ops.quantize_mx(x, fmt.dtype, block_size, axis,

@@ -1,5 +1,7 @@
 """A frozen copy of fp8ops/_emulation.py as it was before its fast paths: the plain reference that
-tests/test_emulation_fast.py compares the current emulation against, byte for byte. Do not edit.
+tests/test_emulation_fast.py compares the current emulation against, byte for byte. Never edit it
+for speed; it follows only changes of the numerics themselves (since then: the blockwise GEMM's
+promotion multiplies its two scales before the partial sum).
 """
 from __future__ import annotations
 
@@ -332,7 +334,7 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     af, bf = a.float(), b.float()
     for kb in range(-(-K // 128)):
         part = af[:, kb * 128:(kb + 1) * 128] @ bf[:, kb * 128:(kb + 1) * 128].t()
-        acc = acc + part * a_scale_inv[:, kb:kb + 1].float() * sb[:, kb].float().unsqueeze(0)
+        acc = acc + part * (a_scale_inv[:, kb:kb + 1].float() * sb[:, kb].float().unsqueeze(0))
     return _epilogue(acc, bias, out_dtype)
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import fp8ops
 from fp8ops import _emulation as E
 from fp8ops.formats import E4M3, E5M2
 
@@ -374,3 +375,27 @@ def test_gemm_blockwise_per_block_promotion():
         ref = (E.dequantize_blockwise(xd, xs, 1, 128, torch.float64)
                @ E.dequantize_blockwise(wd, ws, br, 128, torch.float64).t())
         assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("br", [1, 128], ids=["b1x128", "b128x128"])
+def test_gemm_blockwise_multiplies_the_scales_first(br):
+    """Activations near 1e37 times small weights: a K block's partial sum times its activation
+    scale alone overflows float32, while the result is near 1e34. Each block's two scales are
+    multiplied first (as the CUTLASS kernel does), so the result is finite and accurate."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 300, generator=gen) * 1e37
+    w = torch.randn(8, 300, generator=gen) * 1e-3
+    xq = fp8ops.quantize_blockwise(x, block=(1, 128))
+    wq = fp8ops.quantize_blockwise(w, block=(br, 128))
+    out = fp8ops.gemm(xq, wq, out_dtype=torch.float32)
+    ref = xq.dequantize().double() @ wq.dequantize().double().t()
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=0)
+    # the promotion, step by step: acc += partial * (a_scale_inv * b_scale_inv), from zeros
+    sb = wq.scale_inv if br == 1 else wq.scale_inv.repeat_interleave(128, 0)[:8]
+    acc = torch.zeros(4, 8)
+    for kb in range(3):
+        cols = slice(128 * kb, 128 * (kb + 1))
+        part = xq.data[:, cols].float() @ wq.data[:, cols].float().t()
+        acc = acc + part * (xq.scale_inv[:, kb:kb + 1] * sb[:, kb])
+    assert torch.equal(out, acc)

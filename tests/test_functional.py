@@ -72,6 +72,38 @@ def test_zero_size_forward_and_backward(name):
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("n_in, n_out, lead", [
+    (0, 8, (4,)), (0, 8, (2, 3)), (0, 8, ()), (0, 8, (0,)), (0, 0, (4,)),  # no input features
+    (16, 8, (0,)), (16, 8, (3, 0)),  # empty batch
+    (16, 0, (4,)),  # no output features
+], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_empty_dimensions_match_nn_linear(name, n_in, n_out, lead, bias):
+    """Forward and backward of FP8Linear with a zero-size dimension equal nn.Linear's: with no
+    input features the output is the bias broadcast (or zeros), the weight gradient a zero
+    [out, 0] and the bias gradient the sum of the incoming gradient."""
+    layer = fp8ops.FP8Linear(n_in, n_out, bias=bias, recipe=RECIPES[name])
+    ref = torch.nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        for p, q in zip(layer.parameters(), ref.parameters()):
+            p.uniform_(-1, 1)  # (nn.Linear's init leaves a bias with fan-in 0 at zero)
+            q.copy_(p)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, n_in, generator=gen)
+    dy = torch.randn(*lead, n_out, generator=gen)
+    results = []
+    for lin in (layer, ref):
+        xr = x.clone().requires_grad_()
+        y = lin(xr)
+        y.backward(dy)
+        results.append((y, xr.grad) + tuple(p.grad for p in lin.parameters()))
+    for got, want in zip(*results):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
 def test_nan_input_propagates_and_is_counted():
     st = fp8ops.ScalingState(fp8ops.DelayedScaling())
     w = torch.randn(8, 32)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import fp8ops
+from fp8ops import _emulation, _scratch
 
 RECIPES = [None, fp8ops.DelayedScaling(amax_history_len=4), fp8ops.MXFP8Scaling(),
            fp8ops.BlockwiseScaling()]
@@ -215,6 +216,36 @@ def test_inference_mode_forward_then_training_step(recipe, mode):
     assert torch.equal(out, ref_out)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+INFERENCE_RECIPES = [fp8ops.DelayedScaling(), fp8ops.CurrentScaling(),
+                     fp8ops.CurrentScaling(grad_rounding="stochastic"), fp8ops.MXFP8Scaling(),
+                     fp8ops.BlockwiseScaling()]
+
+
+@pytest.mark.parametrize("recipe", INFERENCE_RECIPES,
+                         ids=["delayed", "current", "stochastic", "mxfp8", "blockwise"])
+def test_inference_mode_first_leaves_nothing_training_cannot_write(recipe, monkeypatch):
+    """An inference-mode forward that is the process's first (so the emulation's reusable
+    buffers are made under inference mode), then a training step, then inference again: each
+    output and gradient is the one of a layer that runs the same steps under no_grad."""
+    monkeypatch.setattr(_scratch, "_BUFFERS", _scratch._Buffers())  # none made yet
+    monkeypatch.setattr(_emulation, "_E8M0_TABLES", {})
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(64, 64, recipe=recipe)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(8, 64)
+    results = []
+    for lin, no_autograd in ((layer, torch.inference_mode), (ref, torch.no_grad)):
+        with no_autograd():
+            first = lin(x)
+        out = lin(x)
+        out.square().sum().backward()
+        with no_autograd():
+            last = lin(x)
+        results.append((first, out.detach(), last, lin.weight.grad, lin.bias.grad))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 def _train_with_validation(model, steps, seed, validate):

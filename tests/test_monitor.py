@@ -92,6 +92,50 @@ def test_nonfinite_is_counted_and_can_raise():
         m(x)
 
 
+@pytest.mark.parametrize("recipe", [fp8ops.CurrentScaling(), fp8ops.DelayedScaling()],
+                         ids=lambda r: type(r).__name__)
+def test_scale_is_the_one_the_cast_used(recipe):
+    """Every tensor has amax 1, so the casts use scale = max / 1, whose float32 reciprocal does
+    not invert back to it: the statistic must be the scale itself."""
+    layer = fp8ops.FP8Linear(16, 8, recipe=recipe)
+    m = nn.Sequential(layer)
+    fp8ops.monitor(m, every=1)
+    gen = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+    x, dy = x / x.abs().max(), dy / dy.abs().max()
+    with torch.no_grad():
+        layer.weight.div_(layer.weight.abs().max())
+    for _ in range(2):  # delayed scaling: the second step's casts use max / amax of the first's
+        with torch.no_grad():
+            layer.weight.mul_(1.0)  # a new weight version: recast (and step the weight role)
+        m(x).backward(dy)
+    s = fp8ops.stats(m)
+    fwd, bwd = fp8ops.E4M3.max, fp8ops.E5M2.max
+    for role, fmax in (("input", fwd), ("weight", fwd), ("grad", bwd)):
+        assert torch.reciprocal(torch.reciprocal(torch.tensor(fmax))).item() != fmax
+        assert s[f"0.{role}.scale"] == fmax, role
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_nonfinite_casts_count_the_current_cast(recipe):
+    """Three training steps whose input, weight and gradient each hold a NaN: every role has met
+    non-finite values in three casts (DelayedScaling counts every cast; here every one is
+    sampled)."""
+    layer = fp8ops.FP8Linear(64, 32, recipe=recipe)
+    m = nn.Sequential(layer)
+    fp8ops.monitor(m, every=1)
+    x, dy = torch.randn(4, 64), torch.randn(4, 32)
+    x[0, 0] = dy[1, 1] = float("nan")
+    counts = []
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight[2, 3] = float("nan")  # a new weight version: cast again
+        m(x).backward(dy)
+        s = fp8ops.stats(m)
+        counts.append([s[f"0.{role}.nonfinite_casts"] for role in ("input", "weight", "grad")])
+    assert counts == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+
+
 def test_off_computes_nothing_and_stats_needs_a_monitor(monkeypatch):
     m = _model(fp8ops.CurrentScaling())
     with pytest.raises(ValueError, match="no monitor"):
@@ -170,6 +214,24 @@ def test_amax_percentile_decimal_rank_and_specials():
     assert torch.ops.fp8ops.amax_percentile(x, 99.99).item() == 9999.0
     with pytest.raises(ValueError, match="amax_percentile"):
         fp8ops.CurrentScaling(amax_percentile=0.0)
+
+
+def test_amax_percentile_of_a_mostly_zero_tensor_is_its_max():
+    """Under 1% non-zeros: the 99th percentile of |x| is 0, which would keep scale 1 and flush
+    these values to zero; the amax is max |x| instead (0 only for an all-zero tensor)."""
+    x = torch.zeros(8, 125)
+    x[0, :4] = torch.tensor([1e-4, -2e-4, 3e-4, -4e-4])  # below half of E4M3's least subnormal
+    for fn in (_emulation.amax_percentile, torch.ops.fp8ops.amax_percentile):
+        assert fn(x, 99.0).item() == x.abs().max().item()
+        assert fn(x, 50.0).item() == x.abs().max().item()
+        assert fn(torch.zeros(8, 125), 99.0).item() == 0.0
+    assert torch.isnan(_emulation.amax_percentile(x.where(x != 0, float("nan")), 99.0))
+    m = nn.Sequential(fp8ops.FP8Linear(125, 16, recipe=fp8ops.CurrentScaling(amax_percentile=99)))
+    fp8ops.monitor(m, every=1)
+    m(x)
+    s = fp8ops.stats(m)
+    assert s["0.input.underflow_frac"] == 0.0
+    assert s["0.input.scale"] == fp8ops.scaling.current_scale(x.abs().max(), "e4m3").item()
 
 
 def test_amax_percentile_lets_outliers_saturate():

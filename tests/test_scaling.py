@@ -39,6 +39,12 @@ def test_recipe_validation(make, match):
     (lambda: fp8ops.CurrentScaling(margin=1e39), ValueError, "margin"),  # inf in float32
     (lambda: fp8ops.CurrentScaling(margin=float("nan")), ValueError, "margin"),
     (lambda: fp8ops.CurrentScaling(margin="2"), TypeError, "margin"),
+    (lambda: fp8ops.CurrentScaling(amax_percentile=True), TypeError, "amax_percentile"),
+    (lambda: fp8ops.CurrentScaling(amax_percentile="99"), TypeError, "amax_percentile"),
+    (lambda: fp8ops.CurrentScaling(amax_percentile=float("nan")), ValueError, "amax_percentile"),
+    (lambda: fp8ops.DelayedScaling(percentile=True), TypeError, "percentile"),
+    (lambda: fp8ops.DelayedScaling(ema_alpha=True), TypeError, "ema_alpha"),
+    (lambda: fp8ops.DelayedScaling(ema_alpha="0.1"), TypeError, "ema_alpha"),
 ])
 def test_recipe_fields_of_the_wrong_kind_are_named(make, err, match):
     with pytest.raises(err, match=match):

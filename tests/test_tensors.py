@@ -69,6 +69,28 @@ def test_bad_arguments_name_the_problem(call, err, match):
         call()
 
 
+@pytest.mark.parametrize("call, err, match", [
+    (lambda x: fp8ops.quantize_mx(x, axis=1.5), TypeError, "axis must be an int, got 1.5"),
+    (lambda x: fp8ops.quantize_mx(x, axis=None), TypeError, "axis must be an int, got None"),
+    (lambda x: fp8ops.quantize_mx(x, axis=True), TypeError, "axis must be an int"),
+    (lambda x: fp8ops.quantize_mx(x, block_size="32"), TypeError, "block_size must be an int"),
+    (lambda x: fp8ops.quantize_mx(x, block_size=32.0), TypeError, "block_size must be an int"),
+    (lambda x: fp8ops.quantize_mx(x, block_size=True), TypeError, "block_size must be an int"),
+    (lambda x: fp8ops.quantize_mx(x, block_size=0), ValueError, "block_size must be positive"),
+    (lambda x: fp8ops.quantize(x, rounding="stochastic", seed=1.5), TypeError,
+     "seed must be an int"),
+    (lambda x: fp8ops.quantize(x, rounding="stochastic", offset=True), TypeError,
+     "offset must be an int"),
+    (lambda x: fp8ops.quantize(x, rounding="stochastic", seed=2 ** 64), ValueError,
+     "seed must fit in an int64"),
+])
+def test_int_arguments_of_the_wrong_kind_are_named(call, err, match):
+    """A float, None, a string or a bool where an int is expected fails here, naming the
+    argument, rather than deep in an op or as another number (True as 1, 1.5 as 1)."""
+    with pytest.raises(err, match=match):
+        call(torch.ones(4, 64))
+
+
 @pytest.mark.parametrize("scale", [0.0, -2.0, float("nan"), float("inf"), 1e39, 1e-50, 1e-40],
                          ids=["zero", "negative", "nan", "inf", "overflows", "underflows",
                               "reciprocal_overflows"])
