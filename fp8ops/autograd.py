@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import monitoring
+from . import cast_stats
 from .scaling import ScalingState, current_scale, grad_margin, recipe_formats
 
 _ops = torch.ops.fp8ops
@@ -61,6 +61,11 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
     amax = _ops.amax(x) if pct is None else _ops.amax_percentile(x, pct)
     return current_scale(amax, fmt, margin, recipe.power_of_two)
 
+
+_NO_CAPTURED_RNG = (
+    "fp8ops: grad_rounding='stochastic' cannot be captured in a CUDA graph yet: its random seed "
+    "and offset are host integers, so every replay would round with the same random numbers. "
+    "Capture with grad_rounding='nearest', or run the stochastic step eagerly")
 
 _NO_DOUBLE_BACKWARD = (
     "fp8ops.linear / FP8Linear does not support double backward (create_graph=True through an "
@@ -117,9 +122,9 @@ class PerTensorLinear(torch.autograd.Function):
         fwd, bwd = recipe_formats(recipe)
         xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
         x_scale_inv = torch.reciprocal(x_scale)
-        ctx.sampled = monitoring.sampling(state)
+        ctx.sampled = cast_stats.sampling(state)
         if ctx.sampled:
-            monitoring.observe(state, "input", monitoring.per_tensor_stats(x2, xq, x_scale),
+            cast_stats.observe(state, "input", cast_stats.per_tensor_stats(x2, xq, x_scale),
                                recorded=not _live(state))
         y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
@@ -136,10 +141,14 @@ class PerTensorLinear(torch.autograd.Function):
         recipe = ctx.recipe
         dy2 = dy.contiguous()
         delayed = state is not None and state.delayed
+        if state is not None:
+            state.follow_stream(dy2.device)
         g_scale = _scale_before_cast(state.grad if delayed else None, dy2, ctx.bwd, recipe,
                                      delayed and state.recording, grad_margin(recipe),
                                      ctx.grad_warm)
         stochastic = recipe.grad_rounding == "stochastic"
+        if stochastic and dy2.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(_NO_CAPTURED_RNG)
         seed, offset = state.next_rng() if stochastic else (0, 0)
         gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, stochastic, seed,
                                          offset)
@@ -147,7 +156,7 @@ class PerTensorLinear(torch.autograd.Function):
             state.grad.record(g_amax, recipe.process_group)
         g_scale_inv = torch.reciprocal(g_scale)
         if ctx.sampled:
-            monitoring.observe(state, "grad", monitoring.per_tensor_stats(dy2, gq, g_scale))
+            cast_stats.observe(state, "grad", cast_stats.per_tensor_stats(dy2, gq, g_scale))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _ops.gemm(gq, w_data_t, g_scale_inv, w_scale_inv, None, ctx.x_dtype, False)
@@ -183,9 +192,9 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
         return (data, data_t, torch.reciprocal(scale), scale), scale
 
     w_data, w_data_t, w_scale_inv, w_scale = _cast_weight(weight, state, cast_weight, live)
-    if monitoring.sampling(state):
-        monitoring.observe(state, "weight", monitoring.per_tensor_stats(
-            monitoring.weight_values(state, weight), w_data, w_scale))
+    if cast_stats.sampling(state):
+        cast_stats.observe(state, "weight", cast_stats.per_tensor_stats(
+            cast_stats.weight_values(state, weight), w_data, w_scale))
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
                                  recipe.margin, delayed and _warm(state, "input", live))
     if recipe.grad_rounding == "stochastic" and state is None:
@@ -216,11 +225,11 @@ class MXLinear(torch.autograd.Function):
         N = weight.shape[0]
         xp = _pad(_pad(x2, 1, bs), 0, bs)  # [Mp, Kp]
         x_data, x_scales = _ops.quantize_mx(xp[:M], fwd.dtype, bs, 1, rceil)
-        ctx.sampled, ctx.state = monitoring.sampling(state), state
+        ctx.sampled, ctx.state = cast_stats.sampling(state), state
         if ctx.sampled:
-            monitoring.observe(state, "input", monitoring.mx_stats(x2, x_data, x_scales, bs, 1))
-            monitoring.observe(state, "weight", monitoring.mx_stats(
-                monitoring.weight_values(state, weight), *w_row, bs, 1))
+            cast_stats.observe(state, "input", cast_stats.mx_stats(x2, x_data, x_scales, bs, 1))
+            cast_stats.observe(state, "weight", cast_stats.mx_stats(
+                cast_stats.weight_values(state, weight), *w_row, bs, 1))
         bias_p = None if bias is None else _pad(bias, 0, bs)
         y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, x2.dtype, bs)[:, :N]
         xc_data, xc_scales = _ops.quantize_mx(xp, fwd.dtype, bs, 0, rceil)  # blocked along M
@@ -238,15 +247,15 @@ class MXLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_data, g_scales = _ops.quantize_mx(dyp[:M], bwd.dtype, bs, 1, rceil)
             if ctx.sampled:
-                monitoring.observe(ctx.state, "grad",
-                                   monitoring.mx_stats(dy, g_data, g_scales, bs, 1))
+                cast_stats.observe(ctx.state, "grad",
+                                   cast_stats.mx_stats(dy, g_data, g_scales, bs, 1))
             dx = _ops.gemm_mx(g_data, g_scales, w_col_t, w_col_t_scales, None, x_dtype,
                               bs)[:, :K]
         if ctx.needs_input_grad[1]:
             gc_data, gc_scales = _ops.quantize_mx(dyp, bwd.dtype, bs, 0, rceil)
             if ctx.sampled and not ctx.needs_input_grad[0]:
-                monitoring.observe(ctx.state, "grad",
-                                   monitoring.mx_stats(dy, gc_data, gc_scales, bs, 0))
+                cast_stats.observe(ctx.state, "grad",
+                                   cast_stats.mx_stats(dy, gc_data, gc_scales, bs, 0))
             dw = _ops.gemm_mx(gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, _F32,
                               bs)[:N, :K]
             dw = _wgrad_out(weight, dw)
@@ -276,13 +285,13 @@ class BlockwiseLinear(torch.autograd.Function):
         fwd, bwd = recipe_formats(recipe)
         p2 = recipe.power_of_two
         x_data, x_scale_inv = _ops.quantize_blockwise(x2, fwd.dtype, 1, 128, p2)
-        ctx.sampled, ctx.state = monitoring.sampling(state), state
+        ctx.sampled, ctx.state = cast_stats.sampling(state), state
         if ctx.sampled:
-            monitoring.observe(state, "input",
-                               monitoring.blockwise_stats(x2, x_data, x_scale_inv, 1, 128))
-            w_values = monitoring.weight_values(state, weight)
-            monitoring.observe(state, "weight",
-                               monitoring.blockwise_stats(w_values, w_data, w_scale_inv, 128, 128))
+            cast_stats.observe(state, "input",
+                               cast_stats.blockwise_stats(x2, x_data, x_scale_inv, 1, 128))
+            w_values = cast_stats.weight_values(state, weight)
+            cast_stats.observe(state, "weight",
+                               cast_stats.blockwise_stats(w_values, w_data, w_scale_inv, 128, 128))
         y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
         xt_data, xt_scale_inv = _ops.quantize_blockwise(x2.t(), fwd.dtype, 1, 128, p2)
         ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)
@@ -299,15 +308,15 @@ class BlockwiseLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_data, g_scale_inv = _ops.quantize_blockwise(dy2, bwd.dtype, 1, 128, p2)
             if ctx.sampled:
-                monitoring.observe(ctx.state, "grad",
-                                monitoring.blockwise_stats(dy2, g_data, g_scale_inv, 1, 128))
+                cast_stats.observe(ctx.state, "grad",
+                                cast_stats.blockwise_stats(dy2, g_data, g_scale_inv, 1, 128))
             dx = _ops.gemm_blockwise(g_data, w_data_t, g_scale_inv, w_t_scale_inv, None,
                                      x_dtype)
         if ctx.needs_input_grad[1]:
             gt_data, gt_scale_inv = _ops.quantize_blockwise(dy2.t(), bwd.dtype, 1, 128, p2)
             if ctx.sampled and not ctx.needs_input_grad[0]:
-                monitoring.observe(ctx.state, "grad",
-                                monitoring.blockwise_stats(dy2.t(), gt_data, gt_scale_inv, 1, 128))
+                cast_stats.observe(ctx.state, "grad",
+                                cast_stats.blockwise_stats(dy2.t(), gt_data, gt_scale_inv, 1, 128))
             dw = _wgrad_out(weight, _ops.gemm_blockwise(gt_data, xt_data, gt_scale_inv,
                                                         xt_scale_inv, None, _F32))
         return (dx, dw, _bias_grad(dy2, bias, ctx.needs_input_grad[2]), None, None, None, None,

@@ -56,6 +56,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                          "recipe) (FP8Linear does this for you)")
     if weight.shape[1] == 0:
         return _no_inputs(input, weight, bias)
+    if state is not None:
+        state.follow_stream(input.device)
     lead = input.shape[:-1]
     x2 = input.reshape(-1, weight.shape[1])
     if isinstance(recipe, (DelayedScaling, CurrentScaling)):

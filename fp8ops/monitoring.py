@@ -22,150 +22,18 @@ the host and raises FloatingPointError naming the layer and role.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 
-from .formats import get_format
-
-STATS = ("amax", "scale", "amax_history_max", "saturated_frac", "underflow_frac", "nonfinite",
-         "nonfinite_casts", "block_scale_log2_min", "block_scale_log2_max",
-         "block_scale_log2_spread")
-
-
-class Monitor:
-    """Shared by the FP8 layers of one model: the sampling clock and the latest statistics."""
-
-    def __init__(self, every: int = 100, raise_on_nonfinite: bool = False):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        self.every = every
-        self.raise_on_nonfinite = bool(raise_on_nonfinite)
-        self.forwards = 0  # training-mode forward calls of the monitored model
-        self.latest: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
-        self.sampled_nonfinite: Dict[Tuple[str, str], torch.Tensor] = {}
-
-    @property
-    def sampling(self) -> bool:
-        """Whether the current forward (and its backward) is sampled: the 1st, then every
-        `every`-th."""
-        return (self.forwards - 1) % self.every == 0
-
-    def tick(self, module: nn.Module, _args) -> None:
-        if module.training:  # evaluation forwards are not training steps
-            self.forwards += 1
-
-
-def _fractions(x: torch.Tensor, dq: torch.Tensor, raw: torch.Tensor,
-               fmt) -> Dict[str, torch.Tensor]:
-    """Saturation, underflow and non-finite counts of a cast, from its input x, its dequantized
-    result dq and its raw FP8 values. Saturated: cast to the format's max although more than
-    half an ulp of max above it (a clamp, not a rounding); underflow: non-zero, cast to zero."""
-    x = x.float()
-    finite = torch.isfinite(x)
-    n = max(x.numel(), 1)
-    clamped = raw.abs() == fmt.max
-    saturated = finite & clamped & (x.abs() > dq.abs() * (1 + 2.0 ** -(fmt.mbits + 1)))
-    underflow = finite & (x != 0) & (dq == 0)
-    return {"saturated_frac": saturated.sum() / n, "underflow_frac": underflow.sum() / n,
-            "nonfinite": (~finite).sum(), "amax": x.abs().amax() if x.numel() else x.new_zeros(())}
-
-
-def per_tensor_stats(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor):
-    """Statistics of a per-tensor cast: data (float8) = cast(x * scale). `scale` is the one the
-    cast used and is reported as is (the reciprocal of its reciprocal can differ in the last
-    bit); the values are read back with its reciprocal, as the GEMMs read them."""
-    fmt = get_format(data.dtype)
-    raw = data.float()
-    scale = scale.float().reshape(()).clone()
-    out = _fractions(x, raw * torch.reciprocal(scale), raw, fmt)
-    out["scale"] = scale
-    return out
-
-
-def _crop(t: torch.Tensor, shape) -> torch.Tensor:
-    return t[tuple(slice(0, n) for n in shape)]
-
-
-def mx_stats(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int):
-    """Statistics of an MXFP8 cast (E8M0 scale bytes per block of block_size along axis). data
-    may be zero-padded beyond x's shape; the padding is not counted."""
-    fmt = get_format(data.dtype)
-    dq = torch.ops.fp8ops.dequantize_mx(data, scales, block_size, axis, torch.float32)
-    dq = _crop(dq, x.shape)
-    out = _fractions(x, dq, _crop(data, x.shape).float(), fmt)
-    exps = scales.to(torch.int32) - 127
-    valid = scales != 0xFF
-    out.update(_log2_range(exps[valid].float()))
-    return out
-
-
-def blockwise_stats(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
-                    block_cols: int):
-    """Statistics of a blockwise cast (float32 scale_inv per block_rows x block_cols tile)."""
-    fmt = get_format(data.dtype)
-    dq = torch.ops.fp8ops.dequantize_blockwise(data, scale_inv, block_rows, block_cols,
-                                                torch.float32)
-    out = _fractions(x, dq, data.float(), fmt)
-    s = scale_inv.float()
-    out.update(_log2_range(torch.log2(s[(s > 0) & torch.isfinite(s)])))
-    return out
-
-
-def _log2_range(v: torch.Tensor) -> Dict[str, torch.Tensor]:
-    if v.numel() == 0:
-        z = torch.zeros((), device=v.device)
-        return {"block_scale_log2_min": z, "block_scale_log2_max": z, "block_scale_log2_spread": z}
-    lo, hi = v.min(), v.max()
-    return {"block_scale_log2_min": lo, "block_scale_log2_max": hi,
-            "block_scale_log2_spread": hi - lo}
-
-
-def weight_values(state, weight: torch.Tensor) -> torch.Tensor:
-    """The weight's values: under a CPUOffloadOptimizer the parameter is a placeholder and the
-    values are the host master's, in the layout the casts read (a transient device copy, on
-    sampled steps only)."""
-    return weight if getattr(state, "host_weight", None) is None else state.host_values()
-
-
-def sampling(state) -> bool:
-    """Whether a cast under this ScalingState should be observed now: a monitor is attached,
-    this training forward is sampled, and the layer is training (not evaluating)."""
-    attached = getattr(state, "monitor", None)
-    return attached is not None and state.recording and attached[0].sampling
-
-
-def observe(state, role: str, stats: Dict[str, torch.Tensor], recorded: bool = True) -> None:
-    """Keep the statistics of one sampled cast of `role` under `state` (a ScalingState).
-    recorded=False: the delayed-scaling role records this cast only after it is observed (the
-    input's amax is recorded once its forward returns), so the count adds this cast itself."""
-    mon, layer = state.monitor
-    stats = {k: v.detach() for k, v in stats.items()}
-    role_state = getattr(state, role, None) if state.delayed else None
-    if role_state is not None:
-        stats["amax_history_max"] = role_state.amax_history.max()
-        count = role_state.nonfinite_count
-        if not recorded:  # record() counts a cast whose amax is not finite: any inf/NaN element
-            count = count + (stats["nonfinite"] > 0).to(count.dtype)
-        stats["nonfinite_casts"] = count.clone()
-    else:
-        key = (layer, role)
-        count = mon.sampled_nonfinite.get(key)
-        hit = (stats["nonfinite"] > 0).to(torch.int64)
-        mon.sampled_nonfinite[key] = hit if count is None else count + hit
-        stats["nonfinite_casts"] = mon.sampled_nonfinite[key]
-    mon.latest[(layer, role)] = stats
-    if mon.raise_on_nonfinite and int(stats["nonfinite"]) > 0:
-        raise FloatingPointError(f"fp8ops: {int(stats['nonfinite'])} non-finite values in the "
-                                 f"{role} of FP8 layer '{layer}' (forward {mon.forwards})")
+from .cast_stats import STATS, Monitor
+from .modules import FP8Linear
 
 
 def monitor(model: nn.Module, every: int = 100, raise_on_nonfinite: bool = False) -> Monitor:
     """Attach a Monitor to every FP8 layer of `model` (replacing an earlier one). Returns it;
     detach with unmonitor(model)."""
-    from .modules import FP8Linear
-
     unmonitor(model)
     mon = Monitor(every, raise_on_nonfinite)
     layers = [(name or type(model).__name__, m) for name, m in model.named_modules()

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_leaves
 
 from . import weight_cache
 from ._emulation import scale_from_amax
@@ -315,6 +316,7 @@ class ScalingState(nn.Module):
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self.owner = None  # () -> the parameter an optimizer holds for this weight (FP8Linear)
         self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
+        self._stream = None  # the CUDA stream that used the state last (follow_stream)
         _STATES.add(self)
         # the layer's parameter is the transpose of the [out, in] weight the casts read (the
         # layout of transformers' Conv1D): a host master, in the parameter's layout, is read
@@ -372,6 +374,23 @@ class ScalingState(nn.Module):
         self._hook_gradient(weight_cache.leaf(weight))
         return payload
 
+    def follow_stream(self, device: torch.device) -> None:
+        """Order this state's device work (role buffers updated in place, the cached weight)
+        after the stream that used it last: a forward on a side stream, its backward or the next
+        forward on another, must not race. Also keeps a reused cast's memory from being handed
+        out while the new stream still reads it. CUDA only; nothing under torch.compile."""
+        if device.type != "cuda" or torch.compiler.is_compiling():
+            return
+        stream = torch.cuda.current_stream(device)
+        last = self._stream
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+            entry = self._weight_cache
+            for t in tree_leaves(None if entry is None else entry.payload):
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(stream)
+        self._stream = stream
+
     def _hook_gradient(self, param: torch.Tensor) -> None:
         """Let param's gradient vouch for the cast once backward has accumulated it."""
         if not param.requires_grad or not param.is_leaf:
@@ -399,6 +418,7 @@ class ScalingState(nn.Module):
         entry = self._weight_cache
         param = None if entry is None or entry.param is None else entry.param()
         return param is not None and id(param) in params
+
     def host_values(self) -> torch.Tensor:
         """The host master's values on the device, in the [out, in] layout the casts read."""
         values = self.host_weight.device_values()
@@ -408,9 +428,7 @@ class ScalingState(nn.Module):
         """The weight's values moved where no version counter shows it, unchanged (into a host
         master, or reloaded from a checkpoint of the same values): no cast from before is reused;
         a cast the next forward would have reused leaves its scale for the recast."""
-        scale = self._saved_cast_scale()
-        self.weight_generation += 1
-        self._weight_cache = weight_cache.restored(scale, self.weight_generation)
+        self._restore_cast(self._saved_cast_scale())
 
     def _saved_cast_scale(self) -> Optional[torch.Tensor]:
         """The scale of the cast the next forward would reuse (None: it recasts)."""
@@ -456,13 +474,13 @@ class ScalingState(nn.Module):
         state = super().__getstate__()
         state["_weight_cache"] = weight_cache.restored(self._saved_cast_scale(),
                                                        self.weight_generation)
-        state["_hooked"] = state["owner"] = state["source"] = None
+        state["_hooked"] = state["owner"] = state["source"] = state["_stream"] = None
         return state
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
         state.setdefault("weight_generation", 0)
-        for name in ("_hooked", "owner", "source"):
+        for name in ("_hooked", "owner", "source", "_stream"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         super().__setstate__(state)

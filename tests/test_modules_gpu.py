@@ -115,3 +115,75 @@ def test_mx_gemm_uses_bf16_tensor_cores_and_matches_the_emulation():
     bd = _emulation.dequantize_mx(qb, sb, 32, -1, torch.float32).double()
     mag = ad.abs() @ bd.abs().t()
     assert ((out.double() - ref.double()).abs() <= mag * 2.0 ** -20).all()
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_cuda_graph_replay_after_an_optimizer_step_reads_the_new_weight(name):
+    """The weight cast is captured into the graph (never reused from the host's cache), so a
+    replay after an optimizer step casts the updated weight."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(256, 512, recipe=RECIPES[name], device="cuda")
+    eager = copy.deepcopy(layer)
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (layer, eager))
+    static_x = torch.randn(128, 256, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graphs requires
+        layer(static_x).float().square().mean().backward()
+        eager(static_x).float().square().mean().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad()  # the captured backward writes the gradients into the graph's memory
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+        static_out.float().square().mean().backward()
+    for step in range(3):
+        graph.replay()
+        eager.zero_grad()
+        ref = eager(static_x)
+        ref.float().square().mean().backward()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, ref), (name, step)
+        assert torch.equal(layer.weight.grad, eager.weight.grad), (name, step)
+        opt.step()  # in place: the next replay's cast reads the new values
+        eager_opt.step()
+
+
+def test_stochastic_rounding_refuses_cuda_graph_capture():
+    layer = fp8ops.FP8Linear(256, 256, recipe=RECIPES["current_sr"], device="cuda")
+    x = torch.randn(64, 256, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layer(x).sum().backward()
+
+
+@pytest.mark.parametrize("name", ["current", "delayed", "blockwise"])
+def test_forward_on_a_side_stream_backward_on_another(name):
+    """Role buffers and the cached cast used across streams give the single-stream result."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(1024, 1024, recipe=RECIPES[name], device="cuda")
+    ref = copy.deepcopy(layer)
+    xs = [torch.randn(2048, 1024, device="cuda") for _ in range(4)]
+    side = torch.cuda.Stream()
+    for i, x in enumerate(xs):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = layer(x)
+        torch.cuda.current_stream().wait_stream(side)
+        out.float().square().mean().backward()  # autograd runs it on the side stream
+        if i % 2:  # and the next microbatch's forward on the default stream
+            layer(x).float().sum().backward()
+        ref_out = ref(x)
+        ref_out.float().square().mean().backward()
+        if i % 2:
+            ref(x).float().sum().backward()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref_out), (name, i)
+    assert torch.equal(layer.weight.grad, ref.weight.grad)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(layer.state_dict()[k], v), k

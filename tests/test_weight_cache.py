@@ -237,3 +237,37 @@ def test_cuda_graph_capture_never_reuses_a_cast_from_the_host(monkeypatch):
     monkeypatch.setattr(scaling.weight_cache, "lookup", lambda *a, **k: calls.append(a))
     layer(x)
     assert not calls
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.waited = name, []
+
+    def wait_stream(self, other):
+        self.waited.append(other.name)
+
+
+def test_follow_stream_orders_a_state_after_its_last_stream(monkeypatch):
+    """The host-side logic of ScalingState.follow_stream (the GPU test runs it for real): a
+    state used on a new stream makes that stream wait for the last one, and marks the cached
+    cast's tensors as used by it; the same stream again waits for nothing."""
+    layer = fp8ops.FP8Linear(32, 16)
+    layer(torch.randn(4, 32)).sum().backward()
+    state = layer.fp8_state
+    current = {"s": _FakeStream("a")}
+    recorded = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, s: recorded.append((t.data_ptr(), s.name)))
+    cuda = torch.device("cuda")
+    state.follow_stream(cuda)
+    assert current["s"].waited == [] and recorded == []  # the first use: nothing to wait for
+    state.follow_stream(cuda)
+    assert current["s"].waited == []
+    a, current["s"] = current["s"], _FakeStream("b")
+    state.follow_stream(cuda)
+    assert current["s"].waited == ["a"]
+    payload = [t for t in state._weight_cache.payload if isinstance(t, torch.Tensor)]
+    assert sorted(recorded) == sorted((t.data_ptr(), "b") for t in payload)
+    state.follow_stream(torch.device("cpu"))  # no streams on the CPU
+    assert current["s"].waited == ["a"]
