@@ -37,16 +37,6 @@ def _is_dtensor(t) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def _registered_weight(layer: "FP8Linear"):
-    """() -> the weight parameter registered on layer now (what an optimizer holds)."""
-    ref = weakref.ref(layer)
-
-    def registered():
-        mod = ref()
-        return None if mod is None else mod._parameters.get("weight")
-    return registered
-
-
 class FP8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Parameters, initialization and state_dict keys
     are nn.Linear's; the FP8 state (amax histories, scales, RNG offset) is in `fp8_state`."""
@@ -64,15 +54,19 @@ class FP8Linear(nn.Linear):
     def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
         super().__setstate__(state)
         _LAYERS.add(self)
-        self.fp8_state.owner = _registered_weight(self)
+        self.fp8_state.watch(self.weight)
 
     def __setattr__(self, name, value):
         # FSDP2 swaps the parameter through setattr when a module defines __setattr__: the
         # sharded one between steps (what the optimizer holds), the gathered copy for compute
         if name == "fp8_state" and isinstance(value, ScalingState):
-            value.owner = _registered_weight(self)
+            weight = self._parameters.get("weight")
+            if weight is not None:
+                value.watch(weight)  # what an optimizer holds (before any forward too)
         elif name == "weight" and "fp8_state" in self._modules:
             state = self.fp8_state
+            if isinstance(value, torch.Tensor):
+                state.watch(value)
             if _is_dtensor(value):
                 state.source = weakref.ref(value)
             elif not _is_dtensor(self._parameters.get("weight")):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import weight_cache
 from ._emulation import scale_from_amax
@@ -314,10 +315,8 @@ class ScalingState(nn.Module):
         self.host_weight = None
         self.weight_generation = 0  # moves whenever the weight's values may have changed unseen
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
-        self.owner = None  # () -> the parameter an optimizer holds for this weight (FP8Linear)
         self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
-        _STATES.add(self)
         # the layer's parameter is the transpose of the [out, in] weight the casts read (the
         # layout of transformers' Conv1D): a host master, in the parameter's layout, is read
         # transposed
@@ -371,8 +370,18 @@ class ScalingState(nn.Module):
             source = None
         self._weight_cache, payload = weight_cache.lookup(
             self._weight_cache, weight, cast, live, self.weight_generation, trust, source)
-        self._hook_gradient(weight_cache.leaf(weight))
+        param = weight_cache.leaf(weight)
+        self.watch(param if self.host_weight is None else self.host_weight.master)
+        self._hook_gradient(param)
         return payload
+
+    def watch(self, param: torch.Tensor) -> None:
+        """An optimizer step over `param` moves this state's weight generation (the parameter
+        the layer registers, the one it casts, an offloaded master, FSDP2's sharded one)."""
+        states = _WATCHERS.get(param)
+        if states is None:
+            states = _WATCHERS[param] = weakref.WeakSet()
+        states.add(self)
 
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)
@@ -407,17 +416,6 @@ class ScalingState(nn.Module):
                 state._weight_cache = weight_cache.accumulated(state._weight_cache, p)
 
         self._hooked = (weakref.ref(param), param.register_post_accumulate_grad_hook(accumulated))
-
-    def _owned_by(self, params: set) -> bool:
-        """Whether an optimizer over the parameters with these ids updates this state's weight."""
-        owner = None if self.owner is None else self.owner()
-        if owner is not None and id(owner) in params:
-            return True
-        if self.host_weight is not None and id(self.host_weight.master) in params:
-            return True  # a CPUOffloadOptimizer's host step
-        entry = self._weight_cache
-        param = None if entry is None or entry.param is None else entry.param()
-        return param is not None and id(param) in params
 
     def host_values(self) -> torch.Tensor:
         """The host master's values on the device, in the [out, in] layout the casts read."""
@@ -474,19 +472,18 @@ class ScalingState(nn.Module):
         state = super().__getstate__()
         state["_weight_cache"] = weight_cache.restored(self._saved_cast_scale(),
                                                        self.weight_generation)
-        state["_hooked"] = state["owner"] = state["source"] = state["_stream"] = None
+        state["_hooked"] = state["source"] = state["_stream"] = None
         return state
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
         state.setdefault("weight_generation", 0)
-        for name in ("_hooked", "owner", "source", "_stream"):
+        for name in ("_hooked", "source", "_stream"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._restore_cast(None if entry is None else entry.scale)
-        _STATES.add(self)
 
     def _apply(self, fn, recurse=True):
         # Module.half() / .to(dtype) must not touch the float32 scales (an fp16 scale overflows
@@ -504,16 +501,19 @@ class ScalingState(nn.Module):
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
 
 
-# every live ScalingState, so that an optimizer step can move the generation of the weights it
-# updated (and only those: another model's optimizer must not touch this one's casts)
-_STATES: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
+# parameter -> the ScalingStates whose weight an optimizer step over it updates. Weak both ways;
+# keyed by identity (a tensor's == is elementwise). Another model's optimizer never finds this
+# model's states.
+_WATCHERS = WeakIdKeyDictionary()
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for state in list(_STATES):
-        if state._owned_by(params):
-            state.weight_generation += 1  # new values: the next forward recasts (and steps)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            states = _WATCHERS.get(p)
+            if states:
+                for state in list(states):
+                    state.weight_generation += 1  # new values: the next forward recasts
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
