@@ -317,6 +317,7 @@ class ScalingState(nn.Module):
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
+        self._watched = None  # weakref to the parameter cached_weight last watched
         # the layer's parameter is the transpose of the [out, in] weight the casts read (the
         # layout of transformers' Conv1D): a host master, in the parameter's layout, is read
         # transposed
@@ -371,7 +372,11 @@ class ScalingState(nn.Module):
         self._weight_cache, payload = weight_cache.lookup(
             self._weight_cache, weight, cast, live, self.weight_generation, trust, source)
         param = weight_cache.leaf(weight)
-        self.watch(param if self.host_weight is None else self.host_weight.master)
+        # the steps of an optimizer over what this cast reads end it
+        target = param if self.host_weight is None else self.host_weight.master
+        if self._watched is None or self._watched() is not target:
+            self.watch(target)
+            self._watched = weakref.ref(target)
         self._hook_gradient(param)
         return payload
 
@@ -472,13 +477,13 @@ class ScalingState(nn.Module):
         state = super().__getstate__()
         state["_weight_cache"] = weight_cache.restored(self._saved_cast_scale(),
                                                        self.weight_generation)
-        state["_hooked"] = state["source"] = state["_stream"] = None
+        state["_hooked"] = state["source"] = state["_stream"] = state["_watched"] = None
         return state
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
         state.setdefault("weight_generation", 0)
-        for name in ("_hooked", "source", "_stream"):
+        for name in ("_hooked", "source", "_stream", "_watched"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         super().__setstate__(state)
