@@ -12,6 +12,7 @@ broadcast and a checkpoint written by rank 0 lose nothing.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -22,7 +23,6 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import weight_cache
 from ._emulation import scale_from_amax
@@ -202,6 +202,13 @@ def current_scale(amax: torch.Tensor, fmt, margin: float = 1.0,
     return scale_from_amax(amax, torch.ones_like(amax), fmt.max, margin, power_of_two)
 
 
+class _Generation:
+    """A counter outside nn.Module's attribute machinery (an optimizer step bumps many)."""
+
+    def __init__(self):
+        self.value = 0
+
+
 class RoleState(nn.Module):
     """Delayed-scaling buffers of one scaled tensor. All updates are in place, on device."""
 
@@ -313,7 +320,8 @@ class ScalingState(nn.Module):
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
         self.host_weight = None
-        self.weight_generation = 0  # moves whenever the weight's values may have changed unseen
+        # moves whenever the weight's values may have changed unseen (weight_generation)
+        self._generation = _Generation()
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
@@ -338,7 +346,11 @@ class ScalingState(nn.Module):
         # DelayedScaling: whether the last live forward's casts took a warm scale, per role
         self.warm = {"input": True, "grad": True}
         self._weight_cache = None  # a weight_cache.CachedCast
-        self.weight_generation += 1  # nothing cast before the reset may be reused
+        self._generation.value += 1  # nothing cast before the reset may be reused
+
+    @property
+    def weight_generation(self) -> int:
+        return self._generation.value
 
     @property
     def delayed(self) -> bool:
@@ -383,10 +395,12 @@ class ScalingState(nn.Module):
     def watch(self, param: torch.Tensor) -> None:
         """An optimizer step over `param` moves this state's weight generation (the parameter
         the layer registers, the one it casts, an offloaded master, FSDP2's sharded one)."""
-        states = _WATCHERS.get(param)
-        if states is None:
-            states = _WATCHERS[param] = weakref.WeakSet()
-        states.add(self)
+        key = id(param)
+        item = _WATCHERS.get(key)
+        if item is None or item[0]() is not param:
+            item = _WATCHERS[key] = (weakref.ref(param, functools.partial(_forget, key)), [])
+        if self._generation not in item[1]:
+            item[1].append(self._generation)
 
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)
@@ -442,7 +456,7 @@ class ScalingState(nn.Module):
 
     def _restore_cast(self, scale: Optional[torch.Tensor]) -> None:
         """Stand a saved cast's scale in for the weight's cast (a loaded or copied state)."""
-        self.weight_generation += 1
+        self._generation.value += 1
         self._weight_cache = weight_cache.restored(scale, self.weight_generation)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -482,7 +496,7 @@ class ScalingState(nn.Module):
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
-        state.setdefault("weight_generation", 0)
+        state.setdefault("_generation", _Generation())
         for name in ("_hooked", "source", "_stream", "_watched"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
@@ -506,19 +520,27 @@ class ScalingState(nn.Module):
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
 
 
-# parameter -> the ScalingStates whose weight an optimizer step over it updates. Weak both ways;
-# keyed by identity (a tensor's == is elementwise). Another model's optimizer never finds this
-# model's states.
-_WATCHERS = WeakIdKeyDictionary()
+# id(parameter) -> (weak reference to it, the generation counters of the ScalingStates whose
+# weight an optimizer step over it updates). Looked up by id (a tensor's == is elementwise, and a
+# weak key dictionary pays a new reference per lookup); a counter is a few bytes. Another model's
+# optimizer never finds this model's states.
+_WATCHERS: dict = {}
+
+
+def _forget(key: int, ref) -> None:
+    """A watched parameter was collected: drop its entry (unless its id was taken again)."""
+    item = _WATCHERS.get(key)
+    if item is not None and item[0] is ref:
+        del _WATCHERS[key]
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            states = _WATCHERS.get(p)
-            if states:
-                for state in list(states):
-                    state.weight_generation += 1  # new values: the next forward recasts
+            item = _WATCHERS.get(id(p))
+            if item is not None and item[0]() is p:
+                for generation in item[1]:
+                    generation.value += 1  # new values: the next forward recasts
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
