@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
 from . import weight_cache
+from ._checks import check_int, check_int64
 from ._emulation import scale_from_amax
 from .formats import get_format
 
@@ -42,15 +43,6 @@ def _check_fmt(name, value):
 def _check_rounding(value):
     if value not in ("nearest", "stochastic"):
         raise ValueError(f"grad_rounding must be 'nearest' or 'stochastic', got {value!r}")
-
-
-def _check_int(name, value, low, high=None):
-    # a float here (2.5) would only fail later, far from the recipe that holds it
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
 
 
 def _check_in_range(name, value, high):
@@ -103,12 +95,12 @@ class DelayedScaling:
     grad_margin: Optional[float] = None  # margin of the gradient casts (None: `margin`)
 
     def __post_init__(self):
-        _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY)
+        check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY)
         if self.amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo must be one of {AMAX_ALGOS}, "
                              f"got {self.amax_compute_algo!r}")
-        _check_int("interval", self.interval, 1)
-        _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
+        check_int("interval", self.interval, 1)
+        check_int64("seed", self.seed)
         _check_in_range("ema_alpha", self.ema_alpha, 1)
         _check_in_range("percentile", self.percentile, 100)
         check_margin(self.margin)
@@ -149,7 +141,7 @@ class CurrentScaling:
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
         _check_rounding(self.grad_rounding)
-        _check_int("seed", self.seed, -2**63, 2**63 - 1)  # the ops take an int64
+        check_int64("seed", self.seed)
 
 
 @dataclass(frozen=True)
@@ -165,7 +157,7 @@ class MXFP8Scaling:
     def __post_init__(self):
         _check_fmt("fwd_fmt", self.fwd_fmt)
         _check_fmt("bwd_fmt", self.bwd_fmt)
-        _check_int("block_size", self.block_size, 1)
+        check_int("block_size", self.block_size, 1)
         if self.scale_mode not in ("floor", "rceil"):
             raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {self.scale_mode!r}")
 

@@ -12,6 +12,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ._checks import check_int, check_int64
 from .formats import FP8Format, get_format
 from .scaling import check_margin, current_scale
 
@@ -90,22 +91,6 @@ def _check_input(x, name: str = "x") -> torch.Tensor:
     return x
 
 
-def _check_int(name: str, value) -> int:
-    """An int argument: a bool, float or string (1.5, None, "32") is named here rather than
-    failing later in an op, or passing as another number (True as 1, 2.7 as 2)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return int(value)
-
-
-def _check_int64(name: str, value) -> int:
-    """An int the ops take as an int64 (a Philox seed or offset)."""
-    value = _check_int(name, value)
-    if not -2 ** 63 <= value < 2 ** 63:
-        raise ValueError(f"{name} must fit in an int64, got {value}")
-    return value
-
-
 def _check_out_dtype(dtype) -> torch.dtype:
     if dtype not in _OUT_DTYPES:
         raise TypeError(f"output dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -157,7 +142,7 @@ def quantize(x: torch.Tensor, fmt="e4m3", scale=None, *, rounding: str = "neares
     fmt = get_format(fmt)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    seed, offset = _check_int64("seed", seed), _check_int64("offset", offset)
+    seed, offset = check_int64("seed", seed), check_int64("offset", offset)
     if transpose and x.dim() == 0:
         raise ValueError("transpose=True needs a tensor with at least one dimension")
     check_margin(margin)
@@ -184,7 +169,7 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3", block_size: int = 32, axis: int = -
     fmt = get_format(fmt)
     if scale_mode not in ("floor", "rceil"):
         raise ValueError(f"scale_mode must be 'floor' or 'rceil', got {scale_mode!r}")
-    block_size, axis = _check_int("block_size", block_size), _check_int("axis", axis)
+    block_size, axis = check_int("block_size", block_size), check_int("axis", axis)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if x.dim() == 0:
