@@ -10,18 +10,15 @@ fp8 buffer is identical on every rank at all times."""
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import fp8ops
+from dist_spawn import spawn
 
 WORLD = 2
 STEPS = 6
@@ -76,35 +73,6 @@ def fp8_states(module):
     """Every fp8_state entry of the state_dict (the buffers, RNG seed and offset too), cloned."""
     return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in module.state_dict().items()
             if ".fp8_state." in k}
-
-
-# ---------------------------------------------------------------------------------------------
-# spawn plumbing
-# ---------------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, worker, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # a timeout, so that ranks issuing different collectives fail instead of hanging
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=45))
-    try:
-        result = globals()[worker](rank, out_dir)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(worker, world=WORLD):
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, worker, _free_port(), out_dir), nprocs=world, join=True)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-                for r in range(world)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +188,7 @@ def _fsdp_single_worker(rank, out_dir):
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ddp():
-    return spawn("_ddp_worker")
+    return spawn(_ddp_worker)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +263,7 @@ def test_dp_tolerance_catches_lost_amax(ddp, single):
 
 
 def test_fsdp2_matches_ddp(ddp):
-    f0, f1 = spawn("_fsdp_worker")
+    f0, f1 = spawn(_fsdp_worker)
     assert not any(f0["stale"] + f1["stale"]), "a forward used a stale cached FP8 weight"
     _assert_same_state([f0["state"], f1["state"]])
     d0, d1 = ddp
@@ -315,7 +283,7 @@ def test_checkpoint_resume_identical(ddp):
 def test_fsdp2_weight_cache_not_stale():
     """Without the optimizer-step count in ScalingState.cached_weight's key, this finds forwards
     that used the FP8 weight of an earlier step (FSDP2 keeps data_ptr and _version)."""
-    (r,) = spawn("_fsdp_single_worker", world=1)
+    (r,) = spawn(_fsdp_single_worker, world=1)
     assert not any(r["stale"]), f"stale FP8 weight in {sum(r['stale'])} of {len(r['stale'])}"
 
 
@@ -337,7 +305,7 @@ def test_weight_cache_sees_write_that_keeps_version():
 
 
 def test_fsdp2_gradient_accumulation_keeps_ranks_in_step():
-    a, b = spawn("_fsdp_accum_worker")  # a collective mismatch fails on the 45 s gloo timeout
+    a, b = spawn(_fsdp_accum_worker)  # a collective mismatch fails on the 45 s gloo timeout
     _assert_same_state([a["state"], b["state"]])
     assert int(a["state"]["0.fp8_state.weight.step"]) == 3  # once per optimizer step
     assert int(a["state"]["0.fp8_state.input.step"]) == 9  # once per microbatch

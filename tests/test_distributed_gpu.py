@@ -4,17 +4,16 @@ FSDP2's re-gathered weights must never meet a stale FP8 weight cast. The same mo
 loop as the two-process gloo tests (tests/test_distributed.py)."""
 from __future__ import annotations
 
+import functools
 import os
-import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8ops
-from test_distributed import (CKPT_AT, STEPS, _free_port, fp8_states, make_model, make_opt,
+from dist_spawn import spawn
+from test_distributed import (CKPT_AT, STEPS, fp8_states, make_model, make_opt,
                               stale_weight_casts)
 from test_distributed import train as gloo_train
 
@@ -29,21 +28,13 @@ def train(model, opt, steps, start=0, check=None):
     return gloo_train(model, opt, steps, rank=0, start=start, check=check, device="cuda")[0]
 
 
-def _entry(rank, worker, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60),
-                            device_id=torch.device("cuda", 0))
-    try:
-        torch.save(globals()[worker](out_dir), os.path.join(out_dir, "rank0.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def run(worker):
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(worker, _free_port(), out_dir), nprocs=1, join=True)
-        return torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    """worker(out_dir) on one NCCL process (GPU 0); its result."""
+    return spawn(functools.partial(_rank0, worker), world=1, backend="nccl")[0]
+
+
+def _rank0(worker, rank, out_dir):
+    return worker(out_dir)
 
 
 def _plain_worker(out_dir):
@@ -87,7 +78,7 @@ def _fsdp_worker(out_dir):
 
 @pytest.fixture(scope="module")
 def plain():
-    return run("_plain_worker")
+    return run(_plain_worker)
 
 
 def _same_state(a, b):
@@ -101,14 +92,14 @@ def _same_state(a, b):
 
 
 def test_ddp_on_nccl_trains_exactly_as_without_it(plain):
-    res = run("_ddp_worker")
+    res = run(_ddp_worker)
     assert res["losses"] == plain["losses"]
     _same_state(res["state"], plain["state"])
     assert res["resumed_losses"] == res["losses"]
 
 
 def test_fsdp2_on_nccl_trains_exactly_as_without_it(plain):
-    res = run("_fsdp_worker")
+    res = run(_fsdp_worker)
     assert not any(res["stale"]), "a forward used an FP8 weight cast from stale weights"
     assert res["losses"] == plain["losses"]
     _same_state(res["state"], plain["state"])
