@@ -167,10 +167,27 @@ class PerTensorLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+def _is_gathered(weight: torch.Tensor) -> bool:
+    """A weight FSDP2 gathered in FP8 (distributed/fsdp.py: FP8GatheredWeight)."""
+    return hasattr(weight, "fp8_payload")
+
+
+def _has_values(weight: torch.Tensor) -> bool:
+    """False for a weight gathered in FP8: its high-precision values are on no rank, so the
+    monitor has no cast error to measure."""
+    return not _is_gathered(weight)
+
+
 @torch.no_grad()
 def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False):
     """The FP8 weight: cast once per accumulation window when there is a state, else every
-    call. cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast."""
+    call. cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast. A weight FSDP2
+    gathered in FP8 (distributed/fsdp.py) carries its payload: nothing to cast."""
+    if _is_gathered(weight):
+        payload = weight.fp8_payload(state, live)
+        if payload is not None:
+            return payload
+        weight = weight.high_precision(state)  # cast for another kind of forward: recast
     if state is None:
         return cast(weight, False, None)[0]
     return state.cached_weight(weight, cast, live, in_recompute())
@@ -192,7 +209,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
         return (data, data_t, torch.reciprocal(scale), scale), scale
 
     w_data, w_data_t, w_scale_inv, w_scale = _cast_weight(weight, state, cast_weight, live)
-    if cast_stats.sampling(state):
+    if cast_stats.sampling(state) and _has_values(weight):
         cast_stats.observe(state, "weight", cast_stats.per_tensor_stats(
             cast_stats.weight_values(state, weight), w_data, w_scale))
     x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
@@ -289,9 +306,10 @@ class BlockwiseLinear(torch.autograd.Function):
         if ctx.sampled:
             cast_stats.observe(state, "input",
                                cast_stats.blockwise_stats(x2, x_data, x_scale_inv, 1, 128))
-            w_values = cast_stats.weight_values(state, weight)
-            cast_stats.observe(state, "weight",
-                               cast_stats.blockwise_stats(w_values, w_data, w_scale_inv, 128, 128))
+            if _has_values(weight):
+                w_values = cast_stats.weight_values(state, weight)
+                cast_stats.observe(state, "weight", cast_stats.blockwise_stats(
+                    w_values, w_data, w_scale_inv, 128, 128))
         y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
         xt_data, xt_scale_inv = _ops.quantize_blockwise(x2.t(), fwd.dtype, 1, 128, p2)
         ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)

@@ -44,9 +44,13 @@ class FP8Linear(nn.Linear):
     # the parameter is the transpose of the [out, in] weight the GEMMs read (FP8Conv1D)
     weight_transposed = False
 
+    # under FSDP2, gather the weight in FP8 where the recipe allows (distributed/fsdp.py)
+    fp8_all_gather = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, fp8_all_gather: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8_all_gather = bool(fp8_all_gather)
         self.recipe = check_recipe(recipe)
         self.fp8_state = self._new_state(self.recipe)
         _LAYERS.add(self)
@@ -69,6 +73,7 @@ class FP8Linear(nn.Linear):
                 state.watch(value)
             if _is_dtensor(value):
                 state.source = weakref.ref(value)
+                _install_fp8_all_gather(self, value)
             elif not _is_dtensor(self._parameters.get("weight")):
                 state.source = None  # a plain weight of its own (not FSDP2's gathered copy)
         super().__setattr__(name, value)
@@ -85,10 +90,11 @@ class FP8Linear(nn.Linear):
         return linear(input, self.weight, self.bias, state=self.fp8_state)
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, recipe=None) -> "FP8Linear":
+    def from_linear(cls, mod: nn.Linear, recipe=None, *,
+                    fp8_all_gather: bool = True) -> "FP8Linear":
         """An FP8Linear sharing mod's weight and bias Parameters."""
         new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, recipe=recipe,
-                  device="meta")
+                  device="meta", fp8_all_gather=fp8_all_gather)
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_state = new._new_state(new.recipe)
@@ -102,6 +108,9 @@ class FP8Linear(nn.Linear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        weight = destination.get(prefix + "weight")
+        if _is_dtensor(weight):  # FSDP2: a checkpoint holds the plain shard
+            destination[prefix + "weight"] = _fsdp().plain_local(weight)
         host = self.fp8_state.host_weight
         if host is not None and prefix + "weight" in destination:
             # offloaded: the parameter is a placeholder, the weight is the host master
@@ -156,6 +165,19 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
+def _fsdp():
+    # imported with the first DTensor weight: importing fp8ops does not import DTensor
+    from .distributed import fsdp
+    return fsdp
+
+
+def _install_fp8_all_gather(layer: FP8Linear, dtensor) -> None:
+    """FSDP2 sets the sharded parameter: have it gathered in FP8 where the recipe allows."""
+    fsdp = _fsdp()
+    if fsdp.gathers_fp8(layer, dtensor):
+        fsdp.install(layer, dtensor)
+
+
 class FP8Conv1D(FP8Linear):
     """transformers' Conv1D (GPT-2's projections: weight [in, out] = [nx, nf], y = x @ W + b)
     with its three GEMMs in FP8. Parameters, their layout, `nf`/`nx` and state_dict keys are
@@ -165,8 +187,10 @@ class FP8Conv1D(FP8Linear):
 
     weight_transposed = True
 
-    def __init__(self, nf: int, nx: int, *, recipe=None, device=None, dtype=None):
-        super().__init__(nx, nf, recipe=recipe, device="meta", dtype=dtype)
+    def __init__(self, nf: int, nx: int, *, recipe=None, device=None, dtype=None,
+                 fp8_all_gather: bool = True):
+        super().__init__(nx, nf, recipe=recipe, device="meta", dtype=dtype,
+                         fp8_all_gather=fp8_all_gather)
         self.nf, self.nx = nf, nx
         self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(nf, device=device, dtype=dtype))
@@ -189,9 +213,10 @@ class FP8Conv1D(FP8Linear):
         return linear(input, self.weight.t(), self.bias, state=self.fp8_state)
 
     @classmethod
-    def from_conv1d(cls, mod: nn.Module, recipe=None) -> "FP8Conv1D":
+    def from_conv1d(cls, mod: nn.Module, recipe=None, *,
+                    fp8_all_gather: bool = True) -> "FP8Conv1D":
         """An FP8Conv1D sharing the Conv1D mod's weight and bias Parameters."""
-        new = cls(mod.nf, mod.nx, recipe=recipe, device="meta")
+        new = cls(mod.nf, mod.nx, recipe=recipe, device="meta", fp8_all_gather=fp8_all_gather)
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_state = new._new_state(new.recipe)
@@ -219,7 +244,8 @@ def _plain_conv1d(mod: FP8Conv1D) -> nn.Module:
 
 
 def convert_to_fp8(module: nn.Module, recipe=None,
-                   filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+                   filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *,
+                   fp8_all_gather: bool = True) -> nn.Module:
     """Replace every nn.Linear and every transformers Conv1D in `module` (in place; `module`
     itself too) by an FP8Linear (an FP8Conv1D for a Conv1D) that shares its parameters.
     filter_fn(layer, fully_qualified_name) -> bool picks which ones.
@@ -227,6 +253,10 @@ def convert_to_fp8(module: nn.Module, recipe=None,
     Converting again applies `recipe` (None: CurrentScaling()) to the FP8Linear layers filter_fn
     picks: a layer that has that recipe already keeps its FP8 state; any other takes the recipe
     with a fresh FP8 state (amax histories, scales and RNG offset start over).
+
+    fp8_all_gather: under FSDP2 (fully_shard after this call), gather the converted layers'
+    weights in FP8 where the recipe allows (each rank casts its shard; the bytes are those of
+    the single-process cast); False gathers them in high precision.
 
     Logs (INFO, logger "fp8ops.modules") how many layers of each kind it converted, and warns
     when it converted none (no such layer, or filter_fn rejected them all)."""
@@ -246,10 +276,11 @@ def convert_to_fp8(module: nn.Module, recipe=None,
         kinds[type(mod).__name__] += 1
         if isinstance(mod, FP8Linear):
             mod._use_recipe(recipe)
+            mod.fp8_all_gather = bool(fp8_all_gather)
             return mod
         if _is_conv1d(mod):
-            return FP8Conv1D.from_conv1d(mod, recipe)
-        return FP8Linear.from_linear(mod, recipe)
+            return FP8Conv1D.from_conv1d(mod, recipe, fp8_all_gather=fp8_all_gather)
+        return FP8Linear.from_linear(mod, recipe, fp8_all_gather=fp8_all_gather)
 
     if wanted(module, ""):
         module = convert(module)

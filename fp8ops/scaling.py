@@ -254,7 +254,11 @@ class RoleState(nn.Module):
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor, process_group=None) -> None:
-        amax, finite = _all_reduce_amax(amax, process_group)
+        self.record_reduced(*_all_reduce_amax(amax, process_group))
+
+    @torch.no_grad()
+    def record_reduced(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
+        """record() of an amax already reduced over the ranks (finite: whether every rank's was)."""
         self.pending_amax.copy_(torch.where(finite, torch.maximum(self.pending_amax, amax),
                                             self.pending_amax))
         self.nonfinite_count.add_((~finite).to(torch.int64))
@@ -316,6 +320,10 @@ class ScalingState(nn.Module):
         self._generation = _Generation()
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self.source = None  # () -> the tensor the weight is gathered from (FSDP2)
+        # FP8 all-gather under FSDP2: (id, version) of the sharded weight the decided cast scale
+        # is for (None: any, once: a restored scale; distributed/fsdp.py)
+        self._gathered_key = None
+        self._gathered_amax = None  # (weight key, amax, finite) all-reduced for the next decision
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
         self._watched = None  # weakref to the parameter cached_weight last watched
         # the layer's parameter is the transpose of the [out, in] weight the casts read (the
@@ -450,6 +458,7 @@ class ScalingState(nn.Module):
         """Stand a saved cast's scale in for the weight's cast (a loaded or copied state)."""
         self._generation.value += 1
         self._weight_cache = weight_cache.restored(scale, self.weight_generation)
+        self._gathered_key = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # one host-to-device copy per save; the casts themselves only touch the Python ints
@@ -484,12 +493,14 @@ class ScalingState(nn.Module):
         state["_weight_cache"] = weight_cache.restored(self._saved_cast_scale(),
                                                        self.weight_generation)
         state["_hooked"] = state["source"] = state["_stream"] = state["_watched"] = None
+        state["_gathered_key"] = state["_gathered_amax"] = None
         return state
 
     def __setstate__(self, state):
         state.setdefault("host_weight", None)  # older pickles have none
         state.setdefault("_generation", _Generation())
-        for name in ("_hooked", "source", "_stream", "_watched"):
+        for name in ("_hooked", "source", "_stream", "_watched", "_gathered_key",
+                     "_gathered_amax"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         super().__setstate__(state)

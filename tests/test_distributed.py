@@ -29,11 +29,11 @@ LOCAL_BATCH = 8
 # ---------------------------------------------------------------------------------------------
 # the model, the data and the training loop (shared by every worker and the reference run)
 # ---------------------------------------------------------------------------------------------
-def make_model(process_group=None):
+def make_model(process_group=None, fp8_all_gather=True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
     recipe = fp8ops.DelayedScaling(amax_history_len=8, process_group=process_group)
-    return fp8ops.convert_to_fp8(model, recipe)
+    return fp8ops.convert_to_fp8(model, recipe, fp8_all_gather=fp8_all_gather)
 
 
 def make_opt(model):
@@ -115,7 +115,9 @@ def _ddp_worker(rank, out_dir):
 
 def stale_weight_casts(model):
     """Per FP8 layer of the sharded model: whether the FP8 weight its forward used differs from
-    the cast of the weight it was given (a stale cache)."""
+    the cast of the weight it was given (a stale cache). For FSDP2's high-precision gather
+    (fp8_all_gather=False), where each rank casts the gathered weight; the FP8 all-gather is
+    tested in test_fsdp_fp8.py."""
     out = []
     for layer in (model[0], model[2]):
         st = layer.fp8_state
@@ -130,7 +132,7 @@ def stale_weight_casts(model):
 
 def _fsdp_worker(rank, out_dir):
     from torch.distributed.fsdp import fully_shard
-    model = make_model()
+    model = make_model(fp8_all_gather=False)
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
@@ -165,7 +167,7 @@ def _fsdp_single_worker(rank, out_dir):
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
-    fp8ops.convert_to_fp8(model, fp8ops.CurrentScaling())
+    fp8ops.convert_to_fp8(model, fp8ops.CurrentScaling(), fp8_all_gather=False)
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)

@@ -66,7 +66,7 @@ def _ddp_worker(out_dir):
 
 def _fsdp_worker(out_dir):
     from torch.distributed.fsdp import fully_shard
-    model = make_model().cuda()
+    model = make_model(fp8_all_gather=False).cuda()
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
@@ -74,6 +74,18 @@ def _fsdp_worker(out_dir):
     losses = train(model, make_opt(model), STEPS,
                    check=lambda: stale.extend(stale_weight_casts(model)))
     return {"losses": losses, "state": fp8_states(model), "stale": stale}
+
+
+def _fsdp_fp8_worker(out_dir):
+    """FSDP2 gathering the FP8 weights (each rank casts its shard; world size 1 here)."""
+    from torch.distributed.fsdp import fully_shard
+    model = make_model().cuda()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    kinds = [type(model[i].weight._local_tensor).__name__ for i in (0, 2)]
+    losses = train(model, make_opt(model), STEPS)
+    return {"losses": losses, "state": fp8_states(model), "kinds": kinds}
 
 
 @pytest.fixture(scope="module")
@@ -101,5 +113,12 @@ def test_ddp_on_nccl_trains_exactly_as_without_it(plain):
 def test_fsdp2_on_nccl_trains_exactly_as_without_it(plain):
     res = run(_fsdp_worker)
     assert not any(res["stale"]), "a forward used an FP8 weight cast from stale weights"
+    assert res["losses"] == plain["losses"]
+    _same_state(res["state"], plain["state"])
+
+
+def test_fsdp2_fp8_all_gather_on_nccl_trains_exactly_as_without_it(plain):
+    res = run(_fsdp_fp8_worker)
+    assert res["kinds"] == ["FP8WeightShard", "FP8WeightShard"]
     assert res["losses"] == plain["losses"]
     _same_state(res["state"], plain["state"])

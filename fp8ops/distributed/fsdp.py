@@ -1,0 +1,328 @@
+"""FP8 weight all-gather under FSDP2 (`fully_shard`): each rank casts its own shard of an
+FP8Linear weight with the scale the whole weight gets, and FSDP2 gathers the FP8 bytes (plus block
+scales) instead of the high-precision weight, through its tensor-subclass extension points
+(`fsdp_pre_all_gather` / `fsdp_post_all_gather` on the sharded parameter's local tensor).
+
+The gathered FP8 weight is byte for byte the single-process cast, so sharded training is the
+single-process training:
+  - per-tensor (CurrentScaling, DelayedScaling): the cast is elementwise with one scale; the
+    scale's amax is the MAX over the shards (all-reduced over the FSDP mesh). A delayed-scaling
+    layer decides its cast once per accumulation window (it steps and records the weight role
+    once, as a single process does); every gather in the window (microbatches, backward
+    re-gathers) reuses that scale;
+  - BlockwiseScaling: 128x128 blocks are row-local when every shard has whole blocks (rows a
+    multiple of 128, even shards): cast locally, gather data and block scales, no all-reduce.
+Everything else gathers the weight in high precision, as without this module: MXFP8 (its dgrad
+copy is blocked along N, across shards; gathering both FP8 copies moves as many bytes as bf16),
+a blockwise shard boundary inside a block, CurrentScaling with amax_percentile (a percentile is
+not a MAX of shard percentiles), meshes other than one Shard(0) dimension, and layers built with
+fp8_all_gather=False.
+
+FP8Linear installs the subclass itself when FSDP2 hands it its sharded parameter (FP8Linear's
+__setattr__), so `fully_shard(model)` on a converted model is all a user writes.
+"""
+from __future__ import annotations
+
+import weakref
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map_only
+
+from .. import weight_cache
+from ..autograd import in_recompute
+from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, _all_reduce_amax,
+                       current_scale, recipe_formats)
+
+_ops = torch.ops.fp8ops
+_aten = torch.ops.aten
+BLOCK = 128
+
+# ops FSDP2 applies to the sharded local tensor that must keep the extension (views of it, the
+# padded copy it makes, moves); every other op runs on the plain tensor and returns plain ones
+_SHARD_KEEPS = {_aten.view.default, _aten.as_strided.default, _aten.slice.Tensor,
+                _aten.narrow.default, _aten.split.Tensor, _aten.detach.default,
+                _aten.alias.default, _aten.clone.default, _aten.empty_like.default,
+                _aten.new_zeros.default, _aten.new_empty.default, _aten._to_copy.default,
+                _aten._pin_memory.default}
+# ops on the gathered weight that give the same FP8 weight (FSDP2's as_strided to the unpadded
+# shape, nn.Parameter's detach, FP8Conv1D's transposed view)
+_GATHERED_VIEWS = {_aten.as_strided.default, _aten.view.default, _aten.detach.default,
+                   _aten.alias.default, _aten.t.default, _aten.transpose.int,
+                   _aten.slice.Tensor}
+
+
+def gathers_fp8(layer, dtensor: DTensor) -> bool:
+    """Whether FSDP2 should gather this layer's weight in FP8 (see the module doc)."""
+    if not getattr(layer, "fp8_all_gather", False):
+        return False
+    if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
+        return False
+    recipe = layer.recipe
+    if isinstance(recipe, DelayedScaling):
+        return True
+    if isinstance(recipe, CurrentScaling):
+        return recipe.amax_percentile is None
+    if isinstance(recipe, BlockwiseScaling):
+        rows, world = dtensor.shape[0], dtensor.device_mesh.size()
+        return not layer.weight_transposed and rows % (BLOCK * world) == 0
+    return False
+
+
+def install(layer, dtensor: DTensor) -> None:
+    """Make FSDP2 gather layer's weight in FP8: wrap the sharded parameter's local tensor (FSDP2
+    looks for the extension right after it sets the sharded parameter on the module)."""
+    local = dtensor._local_tensor
+    if not isinstance(local, FP8WeightShard):
+        dtensor._local_tensor = FP8WeightShard(local, layer)
+        _register(layer)
+
+
+def plain_local(dtensor: DTensor) -> DTensor:
+    """dtensor with a plain local tensor (state_dict: checkpoints hold plain tensors)."""
+    local = dtensor._local_tensor
+    if not isinstance(local, FP8WeightShard):
+        return dtensor
+    return DTensor.from_local(local._data, dtensor.device_mesh, dtensor.placements,
+                              run_check=False, shape=dtensor.shape, stride=dtensor.stride())
+
+
+class FP8WeightShard(torch.Tensor):
+    """The local shard of an FSDP2-sharded FP8Linear weight: a plain high-precision tensor to
+    every op (the optimizer updates it in place), plus FSDP2's all-gather extension."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, layer):
+        # shares data's storage (FSDP2 compares the local tensor's storage with its own)
+        return torch.Tensor._make_subclass(cls, data.detach(), False)
+
+    def __init__(self, data: torch.Tensor, layer):
+        self._data = data
+        self._layer = layer if isinstance(layer, weakref.ref) else weakref.ref(layer)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        layers = []
+
+        def unwrap(t):
+            layers.append(t._layer)
+            return t._data
+
+        out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs or {}))
+        if func in _SHARD_KEEPS:
+            return tree_map_only(torch.Tensor, lambda t: cls(t, layers[0]), out)
+        return out
+
+    def __repr__(self):
+        return f"FP8WeightShard({self._data!r})"
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        layer = self._layer()
+        values = self._data
+        if mp_policy.param_dtype is not None:  # what a high-precision gather would cast
+            values = values.to(mp_policy.param_dtype)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows
+        recipe = layer.recipe
+        fwd, _ = recipe_formats(recipe)
+        if isinstance(recipe, BlockwiseScaling):
+            data, scale_inv = _ops.quantize_blockwise(values, fwd.dtype, BLOCK, BLOCK,
+                                                      recipe.power_of_two)
+            meta = ("blockwise", fwd.dtype, tuple(scale_inv.shape[1:]))
+            if mesh.size() == 1:  # FSDP2 copies only the first input at world size 1: pack
+                packed = torch.cat([data.view(torch.uint8).flatten(),
+                                    scale_inv.view(torch.uint8).flatten()])
+                return (packed,), meta
+            return (data.view(torch.uint8), scale_inv), meta
+        scale, decision = _window_scale(layer, values)
+        data = _ops.quantize(values, scale, fwd.dtype, False)[0]
+        if data.shape[0] != rows:  # an uneven shard: FSDP2 gathers equal pieces
+            padded = data.new_zeros((rows, *data.shape[1:]))
+            padded[:data.shape[0]] = data
+            data = padded
+        return (data.view(torch.uint8),), ("tensor", fwd.dtype, (scale, decision))
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        kind, fp8_dtype, extra = metadata
+        decision = None
+        if kind == "tensor":
+            data = outputs[0].view(fp8_dtype)
+            scales, decision = extra
+        elif len(outputs) == 2:
+            data, scales = outputs[0].view(fp8_dtype), outputs[1]
+        else:  # packed (world size 1): the data bytes, then the float32 block scales
+            size = self.shape.numel()
+            data = outputs[0][:size].view(fp8_dtype).view(self.shape)
+            scales = outputs[0][size:].view(torch.float32).view(-1, *extra)
+        if out is not None:  # FSDP2 re-gathered into the same storage: only the scales move
+            out._scales, out._decision = scales, decision
+            return None
+        return FP8GatheredWeight(kind, data, scales, param_dtype, decision), (outputs[0],)
+
+
+class FP8GatheredWeight(torch.Tensor):
+    """The all-gathered FP8 weight FSDP2 hands the layer for compute: to autograd a [N, K] tensor
+    of the parameter dtype, holding the FP8 bytes and their scales (a per-tensor scale, or block
+    scale_inv [N/128, K/128]). FP8Linear reads the FP8 payload (fp8_payload); any other op sees
+    the dequantized weight. decision: (weight generation, stepped) of a per-tensor cast's scale
+    (_window_scale)."""
+
+    @staticmethod
+    def __new__(cls, kind, data, scales, dtype, decision=None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=dtype, device=data.device, requires_grad=False)
+
+    def __init__(self, kind, data, scales, dtype, decision=None):
+        self._kind, self._data, self._scales, self._decision = kind, data, scales, decision
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GATHERED_VIEWS and isinstance(args[0], cls):
+            w = args[0]
+            data = func(w._data, *args[1:], **kwargs)
+            scales = w._scales
+            if w._kind == "blockwise" and func in (_aten.t.default, _aten.transpose.int):
+                scales = scales.t()
+            return cls(w._kind, data, scales, w.dtype, w._decision)
+        return func(*tree_map_only(cls, lambda t: t.dequantized(), args),
+                    **tree_map_only(cls, lambda t: t.dequantized(), kwargs))
+
+    def __repr__(self):
+        return f"FP8GatheredWeight({self._kind}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the FP8 bytes stand for, in the parameter's dtype."""
+        if self._kind == "tensor":
+            return _ops.dequantize(self._data, torch.reciprocal(self._scales), self.dtype)
+        return _ops.dequantize_blockwise(self._data, self._scales, BLOCK, BLOCK, self.dtype)
+
+    def fp8_payload(self, state=None, live: bool = False):
+        """What the layer's weight cast would return: per-tensor (data, data^T, scale_inv,
+        scale); blockwise (data, scale_inv, data^T). The transposed copy is made here, after
+        the gather (gathering it too would double the bytes). None when the bytes were cast for
+        another kind of forward: FSDP2 without reshard_after_forward keeps an eval forward's
+        gather (a delayed-scaling cast that did not step) for the training forward after it,
+        which must step (the caller then casts high_precision())."""
+        if self._decision is not None and state is not None:
+            generation, stepped = self._decision
+            if generation != state.weight_generation or not (stepped or not live):
+                return None
+        data = self._data.contiguous()
+        data_t = data.t().contiguous()
+        if self._kind == "tensor":
+            return data, data_t, torch.reciprocal(self._scales), self._scales
+        return data, self._scales.contiguous(), data_t
+
+    def high_precision(self, state) -> torch.Tensor:
+        """The weight's values, all-gathered from the sharded parameter by DTensor (the rare
+        fallback of fp8_payload), in this weight's dtype and layout."""
+        values = state.source().full_tensor().to(self.dtype)
+        state._gathered_key = _values_key(state)
+        return values.t() if self.stride(0) < self.stride(1) else values  # FP8Conv1D's view
+
+
+def _window_scale(layer, values: torch.Tensor):
+    """(scale, decision) of this gather's per-tensor cast: decided once per accumulation window
+    (a delayed-scaling layer steps its weight role then) and reused by every gather until the
+    weight changes (an optimizer step over it, an in-place write, a checkpoint load). decision:
+    (the weight generation, whether the weight role stepped)."""
+    state, recipe = layer.fp8_state, layer.recipe
+    live = layer.training and state.delayed and not in_recompute()
+    key = _values_key(state)
+    entry = state._weight_cache
+    if (entry is not None and entry.scale is not None
+            and entry.generation == state.weight_generation and (entry.stepped or not live)
+            and state._gathered_key in (key, None)):
+        state._gathered_key = key
+        return entry.scale, (entry.generation, entry.stepped)
+    fwd, _ = recipe_formats(recipe)
+    role = state.weight if state.delayed else None
+    if role is not None and role.started and not live:
+        scale = role.scale.clone()  # no amax needed: no collective
+    else:
+        amax, finite = _global_amax(layer, key, values.dtype)
+        if role is not None and live:
+            role.update(recipe, fwd, recipe.margin)
+        if role is not None and role.started:
+            scale = role.scale.clone()
+        else:  # current scaling, or a delayed-scaling warm start: the weight's own amax
+            scale = current_scale(torch.where(finite, amax, float("nan")), fwd, recipe.margin,
+                                  recipe.power_of_two)
+        if role is not None and live:
+            role.record_reduced(amax, finite)
+            role.started = True
+    # an entry without payload: the scale stands for the cast until the generation moves
+    state._weight_cache = weight_cache.CachedCast(None, None, scale, live, state.weight_generation)
+    state._gathered_key = key
+    return scale, (state.weight_generation, live)
+
+
+# ---------------------------------------------------------------------------------------------
+# one amax all-reduce per step for all per-tensor layers
+# ---------------------------------------------------------------------------------------------
+# the layers whose weights FSDP2 gathers in FP8, in the order fully_shard reached them (the same
+# on every rank, so every rank reduces the same layers in the same order)
+_GATHERING: "list[weakref.ref]" = []
+
+
+def _register(layer) -> None:
+    global _GATHERING
+    _GATHERING = [r for r in _GATHERING if r() is not None and r() is not layer]
+    _GATHERING.append(weakref.ref(layer))
+
+
+def _values_key(state) -> tuple:
+    """What identifies the weight's values: the layer's weight generation, the sharded parameter
+    (the DTensor the optimizer updates) and its version."""
+    source = state.source()
+    return state.weight_generation, id(source), source._version
+
+
+def _group(state):
+    return state.source().device_mesh.get_group()
+
+
+def _global_amax(layer, key: tuple, dtype: torch.dtype):
+    """(amax, finite) of the whole weight (the MAX over the shards; finite: on every rank), in
+    `dtype` (the dtype the cast reads: amax commutes with rounding to nearest). The first layer
+    of a step that needs one all-reduces those of every per-tensor layer of its mesh whose weight
+    changed, in one collective."""
+    state = layer.fp8_state
+    if state._gathered_amax is None or state._gathered_amax[0] != key:
+        _reduce_changed(layer)
+    _, amax, finite = state._gathered_amax
+    return amax.to(dtype).float(), finite
+
+
+@torch.no_grad()
+def _reduce_changed(layer) -> None:
+    group = _group(layer.fp8_state)
+    layers, keys = [], []
+    others = [ref() for ref in _GATHERING]
+    for other in others + ([] if layer in others else [layer]):
+        if other is None or isinstance(other.recipe, BlockwiseScaling):
+            continue
+        state = other.fp8_state
+        if state.source is None or state.source() is None or _group(state) is not group:
+            continue
+        key = _values_key(state)
+        if state._gathered_amax is None or state._gathered_amax[0] != key:
+            layers.append(other)
+            keys.append(key)
+    local = torch.stack([_ops.amax(other.fp8_state.source()._local_tensor._data)
+                         for other in layers])
+    amax, finite = _all_reduce_amax(local, group)
+    for i, (other, key) in enumerate(zip(layers, keys)):
+        other.fp8_state._gathered_amax = (key, amax[i], finite[i])
+
+
+def is_gathered(weight: torch.Tensor) -> bool:
+    return isinstance(weight, FP8GatheredWeight)
+
+
+__all__ = ["FP8WeightShard", "FP8GatheredWeight", "gathers_fp8", "install", "plain_local",
+           "is_gathered"]
