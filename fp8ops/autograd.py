@@ -185,9 +185,9 @@ def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False
     gathered in FP8 (distributed/fsdp.py) carries its payload: nothing to cast."""
     if _is_gathered(weight):
         payload = weight.fp8_payload(state, live)
-        if payload is not None:
-            return payload
-        weight = weight.high_precision(state)  # cast for another kind of forward: recast
+        if payload is None:  # cast for another kind of forward
+            payload = weight.recast(state, cast, live, in_recompute())
+        return payload
     if state is None:
         return cast(weight, False, None)[0]
     return state.cached_weight(weight, cast, live, in_recompute())

@@ -324,6 +324,7 @@ class ScalingState(nn.Module):
         # is for (None: any, once: a restored scale; distributed/fsdp.py)
         self._gathered_key = None
         self._gathered_amax = None  # (weight key, amax, finite) all-reduced for the next decision
+        self._decisions = 0  # FP8 all-gather scales decided so far (numbers them)
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
         self._watched = None  # weakref to the parameter cached_weight last watched
         # the layer's parameter is the transpose of the [out, in] weight the casts read (the
@@ -503,6 +504,7 @@ class ScalingState(nn.Module):
                      "_gathered_amax"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
+        state.setdefault("_decisions", 0)
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._restore_cast(None if entry is None else entry.scale)

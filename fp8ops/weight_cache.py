@@ -75,6 +75,10 @@ class CachedCast(NamedTuple):
     inference: bool = False  # cast under inference mode (its tensors are inference tensors)
     param: Any = None  # weakref to the parameter the weight is (or is a view of): leaf(weight)
     mark: Any = NO_MARK  # the gradient state that vouches for the values (grad_mark)
+    # > 0: the number of a scale decided for FSDP2's FP8 all-gather (distributed/fsdp.py; no
+    # payload: every gather casts its shard with the scale); consumed: a training forward used it
+    gathered: int = 0
+    consumed: bool = False
 
     @property
     def where(self):
@@ -152,6 +156,8 @@ def saved(entry: Optional[CachedCast], generation: int, trust: int = GRADIENT
     needs saving: any other one is recast from the weight and the state's buffers alike."""
     if entry is None or not entry.stepped or entry.generation != generation:
         return None
+    if entry.gathered:  # reused by the next training forward once a backward vouched for it
+        return entry.scale if entry.mark is not NO_MARK else None
     if entry.payload is None:
         return entry.scale
     param = entry.param()
@@ -159,6 +165,10 @@ def saved(entry: Optional[CachedCast], generation: int, trust: int = GRADIENT
         return None
     reused = entry.mark is not NO_MARK if trust == BACKWARD else mark_matches(entry.mark, param)
     return entry.scale if reused else None
+
+
+def is_restored(entry: Optional[CachedCast]) -> bool:
+    return entry is not None and entry.payload is None and not entry.gathered
 
 
 def restored(scale: Optional[torch.Tensor], generation: int) -> Optional[CachedCast]:

@@ -29,17 +29,19 @@ STEPS, MICRO = 3, 2
 
 def make_model(recipe, fp8_all_gather=True, dtype=torch.float32):
     torch.manual_seed(0)
-    # 512 output rows: whole 128-row blocks on each of 4 ranks; 200: uneven shards at world 4
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 200), nn.GELU(),
-                          nn.Linear(200, 64)).to(dtype)
+    # 512 output rows: whole 128-row blocks on each of 4 ranks; 198: uneven shards at world 4
+    # (50, 50, 50, 48 rows: the last one padded for the gather)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 198), nn.GELU(),
+                          nn.Linear(198, 64)).to(dtype)
     return fp8ops.convert_to_fp8(model, recipe, fp8_all_gather=fp8_all_gather)
 
 
 def shard(model, reshard_after_forward=True, mp_policy=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
-    for i in (0, 2, 4):
-        fully_shard(model[i], reshard_after_forward=reshard_after_forward, **kw)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, **kw)
     return model
 
@@ -112,6 +114,14 @@ class Counting:
             setattr(dist, name, fn)
 
 
+def conv1d_model(recipe, fp8_all_gather):
+    torch.manual_seed(0)
+    model = nn.Sequential(fp8ops.FP8Conv1D(128, 256, recipe=recipe,
+                                           fp8_all_gather=fp8_all_gather),
+                          nn.GELU(), nn.Linear(128, 64))  # the input of batch(): 256 features
+    return fp8ops.convert_to_fp8(model, recipe, fp8_all_gather=fp8_all_gather)
+
+
 def gathered_kinds(model):
     return [type(model[i].weight._local_tensor).__name__ for i in (0, 2, 4)]
 
@@ -149,6 +159,18 @@ def _rank_data_worker(rank, out_dir):
             F.mse_loss(model(x), y).backward()
         res["bytes", fp8] = count.gathered
         res["all_reduces", fp8] = count.all_reduces
+    for name in ("current", "delayed"):  # FP8Conv1D: the parameter is the [in, out] transpose
+        for fp8 in (True, False):
+            model = shard(conv1d_model(RECIPES[name], fp8))
+            res["conv1d", name, fp8] = {"losses": train(model, rank), "state": full_state(model)}
+    for fp8 in (True, False):  # a frozen first layer; the monitor attached
+        model = make_model(RECIPES["delayed"], fp8_all_gather=fp8)
+        model[0].weight.requires_grad_(False)
+        monitor = fp8ops.monitor(model, every=1)
+        model = shard(model)
+        res["frozen", fp8] = {"losses": train(model, rank), "state": full_state(model)}
+        res["stats", fp8] = fp8ops.stats(model)
+        del monitor
     sd = shard(make_model(RECIPES["current"])).state_dict()
     res["checkpoint_local_types"] = sorted({type(v.to_local()).__name__ for v in sd.values()
                                             if hasattr(v, "to_local")})
@@ -225,6 +247,23 @@ def test_fp8_all_gather_equals_high_precision_gather(rank_data, name):
         _assert_same(res[name, True], res[name, False], (rank, name))
     a, b = rank_data  # the ranks saw different data (else this test proves little)
     assert a[name, True]["losses"] != b[name, True]["losses"]
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_fp8_all_gather_of_a_transposed_parameter(rank_data, name):
+    for rank, res in enumerate(rank_data):
+        _assert_same(res["conv1d", name, True], res["conv1d", name, False], (rank, name))
+
+
+def test_frozen_layer_and_monitor_under_fp8_all_gather(rank_data):
+    for rank, res in enumerate(rank_data):
+        _assert_same(res["frozen", True], res["frozen", False], rank)
+        fp8, hp = res["stats", True], res["stats", False]
+        # the gathered layers' weight casts have no high-precision values to compare with: their
+        # weight statistics are left out; everything else is the same
+        assert {k for k in hp if ".weight." not in k} == set(fp8)
+        for k, v in fp8.items():
+            assert v == hp[k] or (v != v and hp[k] != hp[k]), k
 
 
 def test_fp8_all_gather_moves_half_the_bytes_of_bf16(rank_data):

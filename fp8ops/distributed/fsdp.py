@@ -204,41 +204,79 @@ class FP8GatheredWeight(torch.Tensor):
         """What the layer's weight cast would return: per-tensor (data, data^T, scale_inv,
         scale); blockwise (data, scale_inv, data^T). The transposed copy is made here, after
         the gather (gathering it too would double the bytes). None when the bytes were cast for
-        another kind of forward: FSDP2 without reshard_after_forward keeps an eval forward's
-        gather (a delayed-scaling cast that did not step) for the training forward after it,
-        which must step (the caller then casts high_precision())."""
+        another kind of forward, which FSDP2 without reshard_after_forward can hand a training
+        forward (an eval forward's cast that did not step, or a cast no backward has vouched
+        for since a training forward used it): the caller then casts high_precision()."""
         if self._decision is not None and state is not None:
-            generation, stepped = self._decision
-            if generation != state.weight_generation or not (stepped or not live):
+            entry = state._weight_cache
+            if not _fits(entry, self._decision, state, live):
                 return None
+            if live:
+                param = weight_cache.leaf(self)
+                state._weight_cache = entry._replace(consumed=True, param=weakref.ref(param))
+                state._hook_gradient(param)  # the backward that vouches for the next forward
         data = self._data.contiguous()
         data_t = data.t().contiguous()
         if self._kind == "tensor":
             return data, data_t, torch.reciprocal(self._scales), self._scales
         return data, self._scales.contiguous(), data_t
 
-    def high_precision(self, state) -> torch.Tensor:
-        """The weight's values, all-gathered from the sharded parameter by DTensor (the rare
-        fallback of fp8_payload), in this weight's dtype and layout."""
+    def recast(self, state, cast, live: bool, recompute: bool):
+        """The fallback of fp8_payload: the weight all-gathered in high precision from the
+        sharded parameter (DTensor.full_tensor()) and cast as a single process would (`cast`:
+        the layer's weight cast). The cast's scale then serves FSDP2's next gathers of the
+        window, vouched for by this weight's backward."""
         values = state.source().full_tensor().to(self.dtype)
+        if self.stride(0) < self.stride(1):  # FP8Conv1D's transposed view
+            values = values.t()
+        payload = state.cached_weight(values, cast, live, recompute)
+        param = weight_cache.leaf(self)
+        state._decisions += 1
+        state._weight_cache = state._weight_cache._replace(
+            gathered=state._decisions, consumed=live, param=weakref.ref(param))
         state._gathered_key = _values_key(state)
-        return values.t() if self.stride(0) < self.stride(1) else values  # FP8Conv1D's view
+        state._hook_gradient(param)
+        return payload
+
+
+def _fits(entry, decision: int, state, live: bool) -> bool:
+    """Whether the gathered cast with this decision number serves this forward."""
+    if entry is None or entry.gathered != decision or entry.generation != state.weight_generation:
+        return False
+    return not live or (entry.stepped and (not entry.consumed or
+                                           entry.mark is not weight_cache.NO_MARK))
+
+
+def _reusable(entry, state, live: bool, key) -> bool:
+    """Whether a gather may cast with entry's scale instead of deciding a new one. A training
+    forward steps delayed scaling once per accumulation window, as a single process does: it
+    reuses a stepped scale that is fresh or vouched for by a backward since (frozen weights
+    step every forward), or one restored from a checkpoint."""
+    if (entry is None or entry.scale is None or entry.generation != state.weight_generation
+            or state._gathered_key not in (key, None)):
+        return False
+    if not live:
+        return True
+    if weight_cache.is_restored(entry):
+        return True
+    vouched = entry.mark is not weight_cache.NO_MARK
+    return entry.stepped and (vouched or (entry.gathered and not entry.consumed))
 
 
 def _window_scale(layer, values: torch.Tensor):
-    """(scale, decision) of this gather's per-tensor cast: decided once per accumulation window
-    (a delayed-scaling layer steps its weight role then) and reused by every gather until the
-    weight changes (an optimizer step over it, an in-place write, a checkpoint load). decision:
-    (the weight generation, whether the weight role stepped)."""
+    """(scale, decision number) of this gather's per-tensor cast: decided once per accumulation
+    window (a delayed-scaling layer steps its weight role then) and reused by every gather until
+    the weight changes (an optimizer step over it, an in-place write, a checkpoint load)."""
     state, recipe = layer.fp8_state, layer.recipe
     live = layer.training and state.delayed and not in_recompute()
     key = _values_key(state)
     entry = state._weight_cache
-    if (entry is not None and entry.scale is not None
-            and entry.generation == state.weight_generation and (entry.stepped or not live)
-            and state._gathered_key in (key, None)):
+    if _reusable(entry, state, live, key):
         state._gathered_key = key
-        return entry.scale, (entry.generation, entry.stepped)
+        if not entry.gathered:  # a restored or fallback cast's scale: number it
+            state._decisions += 1
+            entry = state._weight_cache = entry._replace(gathered=state._decisions)
+        return entry.scale, entry.gathered
     fwd, _ = recipe_formats(recipe)
     role = state.weight if state.delayed else None
     if role is not None and role.started and not live:
@@ -255,10 +293,11 @@ def _window_scale(layer, values: torch.Tensor):
         if role is not None and live:
             role.record_reduced(amax, finite)
             role.started = True
-    # an entry without payload: the scale stands for the cast until the generation moves
-    state._weight_cache = weight_cache.CachedCast(None, None, scale, live, state.weight_generation)
+    state._decisions += 1
+    state._weight_cache = weight_cache.CachedCast(None, None, scale, live, state.weight_generation,
+                                                  gathered=state._decisions)
     state._gathered_key = key
-    return scale, (state.weight_generation, live)
+    return scale, state._decisions
 
 
 # ---------------------------------------------------------------------------------------------
