@@ -31,7 +31,7 @@ def layers_by_weight(params) -> dict:
     return found
 
 
-def _is_dtensor(t) -> bool:
+def is_dtensor(t) -> bool:
     # no DTensor can exist before its module is imported (keeps importing fp8ops light)
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
@@ -71,10 +71,10 @@ class FP8Linear(nn.Linear):
             state = self.fp8_state
             if isinstance(value, torch.Tensor):
                 state.watch(value)
-            if _is_dtensor(value):
+            if is_dtensor(value):
                 state.source = weakref.ref(value)
                 _install_fp8_all_gather(self, value)
-            elif not _is_dtensor(self._parameters.get("weight")):
+            elif not is_dtensor(self._parameters.get("weight")):
                 state.source = None  # a plain weight of its own (not FSDP2's gathered copy)
         super().__setattr__(name, value)
 
@@ -109,7 +109,7 @@ class FP8Linear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         weight = destination.get(prefix + "weight")
-        if _is_dtensor(weight):  # FSDP2: a checkpoint holds the plain shard
+        if is_dtensor(weight):  # FSDP2: a checkpoint holds the plain shard
             destination[prefix + "weight"] = _fsdp().plain_local(weight)
         host = self.fp8_state.host_weight
         if host is not None and prefix + "weight" in destination:

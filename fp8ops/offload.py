@@ -14,7 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from .host_weight import OffloadedWeight
-from .modules import layers_by_weight
+from .modules import is_dtensor, layers_by_weight
 from .offload_param import OffloadedParam, owner
 
 # torch optimizers with a fused CPU step: the host step uses it unless fused/foreach are given
@@ -50,6 +50,12 @@ def _check_param(param, what: str) -> None:
     if param.device.type not in ("cpu", "cuda"):
         raise ValueError(f"CPUOffloadOptimizer: {what} is on {param.device}; only CPU and "
                          f"CUDA parameters are supported")
+    if is_dtensor(param):
+        raise ValueError(
+            f"CPUOffloadOptimizer: {what} is a DTensor (sharded by FSDP2 or tensor parallelism). "
+            f"Under FSDP2 keep the sharded FP32 weights and the optimizer state on the host with "
+            f"torch's own fully_shard(module, offload_policy=CPUOffloadPolicy()) and a plain "
+            f"torch.optim optimizer: FP8Linear weights are still all-gathered in FP8")
     if not param.is_floating_point():
         raise TypeError(f"CPUOffloadOptimizer: {what} has dtype {param.dtype}; only floating "
                         f"point parameters are supported")

@@ -76,13 +76,15 @@ def _fsdp_worker(out_dir):
     return {"losses": losses, "state": fp8_states(model), "stale": stale}
 
 
-def _fsdp_fp8_worker(out_dir):
-    """FSDP2 gathering the FP8 weights (each rank casts its shard; world size 1 here)."""
-    from torch.distributed.fsdp import fully_shard
+def _fsdp_fp8_worker(out_dir, offload=False):
+    """FSDP2 gathering the FP8 weights (each rank casts its shard; world size 1 here); offload:
+    the shards and the optimizer step on the host (FSDP2's CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     model = make_model().cuda()
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
     kinds = [type(model[i].weight._local_tensor).__name__ for i in (0, 2)]
     losses = train(model, make_opt(model), STEPS)
     return {"losses": losses, "state": fp8_states(model), "kinds": kinds}
@@ -117,8 +119,9 @@ def test_fsdp2_on_nccl_trains_exactly_as_without_it(plain):
     _same_state(res["state"], plain["state"])
 
 
-def test_fsdp2_fp8_all_gather_on_nccl_trains_exactly_as_without_it(plain):
-    res = run(_fsdp_fp8_worker)
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_fp8_all_gather_on_nccl_trains_exactly_as_without_it(plain, offload):
+    res = run(functools.partial(_fsdp_fp8_worker, offload=offload))
     assert res["kinds"] == ["FP8WeightShard", "FP8WeightShard"]
     assert res["losses"] == plain["losses"]
     _same_state(res["state"], plain["state"])

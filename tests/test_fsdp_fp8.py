@@ -36,9 +36,10 @@ def make_model(recipe, fp8_all_gather=True, dtype=torch.float32):
     return fp8ops.convert_to_fp8(model, recipe, fp8_all_gather=fp8_all_gather)
 
 
-def shard(model, reshard_after_forward=True, mp_policy=None):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kw = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+def shard(model, reshard_after_forward=True, mp_policy=None, offload_policy=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    kw = {"mp_policy": mp_policy or MixedPrecisionPolicy(),
+          "offload_policy": offload_policy or OffloadPolicy()}
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
@@ -171,6 +172,14 @@ def _rank_data_worker(rank, out_dir):
         res["frozen", fp8] = {"losses": train(model, rank), "state": full_state(model)}
         res["stats", fp8] = fp8ops.stats(model)
         del monitor
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    for name in ("current", "delayed"):  # shards and optimizer step on the host (FSDP2's own)
+        model = shard(make_model(RECIPES[name]), offload_policy=CPUOffloadPolicy(pin_memory=False))
+        res["offload", name] = {"losses": train(model, rank), "state": full_state(model)}
+    try:
+        fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        res["offload_error"] = str(e)
     sd = shard(make_model(RECIPES["current"])).state_dict()
     res["checkpoint_local_types"] = sorted({type(v.to_local()).__name__ for v in sd.values()
                                             if hasattr(v, "to_local")})
@@ -278,6 +287,13 @@ def test_one_amax_all_reduce_per_step_for_all_layers(rank_data):
     # CurrentScaling: the three weights' amaxes in one collective; nothing else all-reduces
     assert rank_data[0]["all_reduces", True] == 1
     assert rank_data[0]["all_reduces", False] == 0
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_fp8_all_gather_with_fsdp2_cpu_offload(rank_data, name):
+    for rank, res in enumerate(rank_data):
+        _assert_same(res["offload", name], res[name, True], (rank, name))
+    assert "CPUOffloadPolicy" in rank_data[0]["offload_error"]  # the way to offload under FSDP2
 
 
 def test_checkpoint_holds_plain_tensors(rank_data):

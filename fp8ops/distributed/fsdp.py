@@ -282,7 +282,7 @@ def _window_scale(layer, values: torch.Tensor):
     if role is not None and role.started and not live:
         scale = role.scale.clone()  # no amax needed: no collective
     else:
-        amax, finite = _global_amax(layer, key, values.dtype)
+        amax, finite = _global_amax(layer, key, values.dtype, values.device)
         if role is not None and live:
             role.update(recipe, fwd, recipe.margin)
         if role is not None and role.started:
@@ -325,20 +325,22 @@ def _group(state):
     return state.source().device_mesh.get_group()
 
 
-def _global_amax(layer, key: tuple, dtype: torch.dtype):
+def _global_amax(layer, key: tuple, dtype: torch.dtype, device: torch.device):
     """(amax, finite) of the whole weight (the MAX over the shards; finite: on every rank), in
     `dtype` (the dtype the cast reads: amax commutes with rounding to nearest). The first layer
     of a step that needs one all-reduces those of every per-tensor layer of its mesh whose weight
     changed, in one collective."""
     state = layer.fp8_state
     if state._gathered_amax is None or state._gathered_amax[0] != key:
-        _reduce_changed(layer)
+        _reduce_changed(layer, device)
     _, amax, finite = state._gathered_amax
-    return amax.to(dtype).float(), finite
+    return amax.to(device=device, dtype=dtype).float(), finite.to(device)
 
 
 @torch.no_grad()
-def _reduce_changed(layer) -> None:
+def _reduce_changed(layer, device: torch.device) -> None:
+    """device: where the gather runs (with FSDP2's CPUOffloadPolicy the shards are on the host;
+    the collective runs on the device)."""
     group = _group(layer.fp8_state)
     layers, keys = [], []
     others = [ref() for ref in _GATHERING]
@@ -352,7 +354,7 @@ def _reduce_changed(layer) -> None:
         if state._gathered_amax is None or state._gathered_amax[0] != key:
             layers.append(other)
             keys.append(key)
-    local = torch.stack([_ops.amax(other.fp8_state.source()._local_tensor._data)
+    local = torch.stack([_ops.amax(other.fp8_state.source()._local_tensor._data).to(device)
                          for other in layers])
     amax, finite = _all_reduce_amax(local, group)
     for i, (other, key) in enumerate(zip(layers, keys)):
