@@ -17,10 +17,30 @@ from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize,
                       quantize_blockwise, quantize_mx)
 
 __version__ = "0.1.0"
+
+# public names whose modules import torch.distributed.tensor: loaded on first use, so that
+# `import fp8ops` stays light
+_LAZY = {
+    "FP8ColwiseParallel": "fp8ops.distributed.tensor_parallel",
+    "FP8RowwiseParallel": "fp8ops.distributed.tensor_parallel",
+    "PrepareFP8ModuleInput": "fp8ops.distributed.tensor_parallel",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fp8ops' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "E4M3", "E5M2", "FP8Format", "quantize", "dequantize", "quantize_mx", "quantize_blockwise",
     "amax", "gemm", "linear", "DelayedScaling", "CurrentScaling", "MXFP8Scaling",
     "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
     "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
-    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor",
+    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", *_LAZY,
 ]

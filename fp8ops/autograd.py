@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import cast_stats
-from .scaling import ScalingState, current_scale, grad_margin, recipe_formats
+from .scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -46,11 +46,18 @@ def _warm(state: ScalingState, role: str, live: bool) -> bool:
     return state.warm[role]
 
 
+def _shards(state: Optional[ScalingState], role: str):
+    """The mesh the tensor of `role` is sharded over (tensor parallelism), or None."""
+    return None if state is None else state.shard_meshes.get(role)
+
+
 def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
-                       warm: Optional[bool] = None) -> torch.Tensor:
+                       warm: Optional[bool] = None, shards=None) -> torch.Tensor:
     """The scale for casting x: from the delayed-scaling role (stepped first when `step`), or,
     with no role (current scaling), from x's own amax. warm (default: the role has recorded
-    nothing yet): use x's own amax, not the initial scale 1.0."""
+    nothing yet): use x's own amax, not the initial scale 1.0. shards: x is one shard of a
+    tensor sharded over this mesh, whose amax is the MAX over the shards (a role all-reduces
+    over its own shard_mesh)."""
     if role is not None:
         if step:
             role.update(recipe, fmt, margin)
@@ -59,6 +66,8 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
         return role.scale.clone()  # a copy: the buffer changes before backward uses it
     pct = getattr(recipe, "amax_percentile", None)
     amax = _ops.amax(x) if pct is None else _ops.amax_percentile(x, pct)
+    if shards is not None:
+        amax = shard_amax(amax, shards)
     return current_scale(amax, fmt, margin, recipe.power_of_two)
 
 
@@ -118,9 +127,13 @@ def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 class PerTensorLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv, recipe, state):
+    def forward(ctx, x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv, recipe, state,
+                x_cast=None):
         fwd, bwd = recipe_formats(recipe)
-        xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
+        if x_cast is None:
+            xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
+        else:  # cast with x_scale where it was made (a sequence-parallel FP8 all-gather)
+            xq, xq_t, x_amax = x_cast
         x_scale_inv = torch.reciprocal(x_scale)
         ctx.sampled = cast_stats.sampling(state)
         if ctx.sampled:
@@ -145,7 +158,7 @@ class PerTensorLinear(torch.autograd.Function):
             state.follow_stream(dy2.device)
         g_scale = _scale_before_cast(state.grad if delayed else None, dy2, ctx.bwd, recipe,
                                      delayed and state.recording, grad_margin(recipe),
-                                     ctx.grad_warm)
+                                     ctx.grad_warm, _shards(state, "grad"))
         stochastic = recipe.grad_rounding == "stochastic"
         if stochastic and dy2.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(_NO_CAPTURED_RNG)
@@ -164,7 +177,7 @@ class PerTensorLinear(torch.autograd.Function):
             dw = _wgrad_out(weight, _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv, None, _F32,
                                               False))
         db = _bias_grad(dy2, bias, ctx.needs_input_grad[2])
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _is_gathered(weight: torch.Tensor) -> bool:
@@ -193,15 +206,19 @@ def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False
     return state.cached_weight(weight, cast, live, in_recompute())
 
 
-def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
+def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x_cast=None):
+    """x_cast: (data, transposed data, amax, scale), x2 already cast (current scaling only; x2
+    then only carries the gradient)."""
     fwd, _ = recipe_formats(recipe)
     delayed = state is not None and state.delayed
     live = _live(state)
+    if x_cast is not None and delayed:
+        raise ValueError("a pre-cast input takes current scaling, not DelayedScaling")
 
     def cast_weight(w, step, scale):
         if scale is None:
             scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step,
-                                       recipe.margin)
+                                       recipe.margin, shards=_shards(state, "weight"))
         data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
         if step:
             state.weight.record(w_amax, recipe.process_group)
@@ -212,15 +229,19 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState]):
     if cast_stats.sampling(state) and _has_values(weight):
         cast_stats.observe(state, "weight", cast_stats.per_tensor_stats(
             cast_stats.weight_values(state, weight), w_data, w_scale))
-    x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
-                                 recipe.margin, delayed and _warm(state, "input", live))
+    if x_cast is None:
+        x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
+                                     recipe.margin, delayed and _warm(state, "input", live),
+                                     _shards(state, "input"))
+    else:
+        x_cast, x_scale = x_cast[:3], x_cast[3]
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
                          "carry the random seed and offset")
     if live:  # decided here, outside the Function, so that a recompute sees the same choice
         state.warm["grad"] = not state.grad.started
     y, x_amax = PerTensorLinear.apply(x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv,
-                                      recipe, state)
+                                      recipe, state, x_cast)
     if live:
         state.input.record(x_amax, recipe.process_group)
         state.input.started = True

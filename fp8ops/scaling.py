@@ -8,7 +8,9 @@ Delayed scaling, per scaled tensor ("role": input, weight, grad):
             counted in `nonfinite_count` and never enters the history.
 Under torch.distributed, record() all-reduces the amax (MAX) over the recipe's process group
 before folding it in, so every buffer is identical on every rank at all times: DDP's buffer
-broadcast and a checkpoint written by rank 0 lose nothing.
+broadcast and a checkpoint written by rank 0 lose nothing. A tensor sharded by tensor parallelism
+(ScalingState.shard_over) has its amax all-reduced over the shards too, for every recipe, so that
+each shard is cast with the scale of the whole tensor.
 """
 from __future__ import annotations
 
@@ -204,6 +206,9 @@ class _Generation:
 class RoleState(nn.Module):
     """Delayed-scaling buffers of one scaled tensor. All updates are in place, on device."""
 
+    # the 1-D DeviceMesh this role's tensor is sharded over (tensor parallelism), or None
+    shard_mesh = None
+
     def __init__(self, history_len: int, device=None):
         super().__init__()
         f32 = dict(dtype=torch.float32, device=device)
@@ -254,7 +259,7 @@ class RoleState(nn.Module):
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor, process_group=None) -> None:
-        self.record_reduced(*_all_reduce_amax(amax, process_group))
+        self.record_reduced(*_all_reduce_amax(amax, process_group, self.shard_mesh))
 
     @torch.no_grad()
     def record_reduced(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
@@ -267,7 +272,8 @@ class RoleState(nn.Module):
     def warm_scale(self, x: torch.Tensor, fmt, margin: float, recipe) -> torch.Tensor:
         """The scale of a cast before the role has recorded anything: from x's own amax (over
         the process group), as current scaling would, instead of the initial 1.0."""
-        amax, finite = _all_reduce_amax(torch.ops.fp8ops.amax(x), recipe.process_group)
+        amax, finite = _all_reduce_amax(torch.ops.fp8ops.amax(x), recipe.process_group,
+                                        self.shard_mesh)
         amax = torch.where(finite, amax, float("nan"))  # not finite: current_scale keeps 1.0
         return current_scale(amax, fmt, margin, recipe.power_of_two)
 
@@ -276,15 +282,29 @@ class RoleState(nn.Module):
         self.started = bool(self.step.item() > 0)  # one host read per load
 
 
-def _all_reduce_amax(amax: torch.Tensor, process_group):
+def _all_reduce_amax(amax: torch.Tensor, process_group, shard_mesh=None):
     """(amax, finite): under torch.distributed one MAX all-reduce of (amax or 0, any
-    non-finite), so NaN never meets the reduction."""
+    non-finite), so NaN never meets the reduction. shard_mesh: the tensor is sharded over this
+    1-D DeviceMesh too (tensor parallelism); a second all-reduce covers it unless the process
+    group is the world (None), which holds every shard already."""
     finite = torch.isfinite(amax)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         packed = torch.stack([torch.where(finite, amax, 0.0), (~finite).to(amax.dtype)])
         torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX, group=process_group)
+        shard_group = None if shard_mesh is None else shard_mesh.get_group()
+        if process_group is not None and shard_group not in (None, process_group):
+            torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX,
+                                         group=shard_group)
         amax, finite = packed[0], packed[1] == 0
     return amax, finite
+
+
+def shard_amax(amax: torch.Tensor, shard_mesh) -> torch.Tensor:
+    """The amax of a tensor sharded over the 1-D DeviceMesh shard_mesh, from one shard's amax:
+    the MAX over the shards, NaN when any shard's is not finite (the whole tensor's would not be
+    either: current_scale then keeps 1.0)."""
+    amax, finite = _all_reduce_amax(amax, shard_mesh.get_group())
+    return torch.where(finite, amax, float("nan"))
 
 
 class ScalingState(nn.Module):
@@ -325,6 +345,8 @@ class ScalingState(nn.Module):
         self._gathered_key = None
         self._gathered_amax = None  # (weight key, amax, finite) all-reduced for the next decision
         self._decisions = 0  # FP8 all-gather scales decided so far (numbers them)
+        # role -> the 1-D DeviceMesh its tensor is sharded over (tensor parallelism; shard_over)
+        self.shard_meshes = {}
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
         self._watched = None  # weakref to the parameter cached_weight last watched
         # the layer's parameter is the transpose of the [out, in] weight the casts read (the
@@ -348,6 +370,20 @@ class ScalingState(nn.Module):
         self.warm = {"input": True, "grad": True}
         self._weight_cache = None  # a weight_cache.CachedCast
         self._generation.value += 1  # nothing cast before the reset may be reused
+
+    def shard_over(self, role: str, mesh) -> None:
+        """The tensor of `role` ("input", "weight" or "grad") is sharded over the 1-D DeviceMesh
+        `mesh` (tensor parallelism): every amax that feeds its scale is all-reduced (MAX) over
+        the mesh first, so that each shard is cast with the scale the whole tensor gets in one
+        process. Set by fp8ops' tensor-parallel styles."""
+        if role not in self.ROLES:
+            raise ValueError(f"role must be one of {self.ROLES}, got {role!r}")
+        if getattr(self.recipe, "amax_percentile", None) is not None:
+            raise ValueError("CurrentScaling(amax_percentile=...) cannot shard: a percentile "
+                             "of the whole tensor is not one of its shards' percentiles")
+        self.shard_meshes[role] = mesh
+        if self.delayed:
+            getattr(self, role).shard_mesh = mesh
 
     @property
     def weight_generation(self) -> int:
@@ -505,6 +541,7 @@ class ScalingState(nn.Module):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         state.setdefault("_decisions", 0)
+        state.setdefault("shard_meshes", {})
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._restore_cast(None if entry is None else entry.scale)

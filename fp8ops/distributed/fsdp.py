@@ -15,8 +15,8 @@ single-process training:
 Everything else gathers the weight in high precision, as without this module: MXFP8 (its dgrad
 copy is blocked along N, across shards; gathering both FP8 copies moves as many bytes as bf16),
 a blockwise shard boundary inside a block, CurrentScaling with amax_percentile (a percentile is
-not a MAX of shard percentiles), meshes other than one Shard(0) dimension, and layers built with
-fp8_all_gather=False.
+not a MAX of shard percentiles), meshes other than one Shard(0) dimension (FSDP2 over tensor
+parallelism: 2-D), and layers built with fp8_all_gather=False.
 
 FP8Linear installs the subclass itself when FSDP2 hands it its sharded parameter (FP8Linear's
 __setattr__), so `fully_shard(model)` on a converted model is all a user writes.
@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 
 from .. import weight_cache
 from ..autograd import in_recompute
+from .tensor_parallel import TP_WEIGHT
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, _all_reduce_amax,
                        current_scale, recipe_formats)
 
@@ -53,8 +54,8 @@ _GATHERED_VIEWS = {_aten.as_strided.default, _aten.view.default, _aten.detach.de
 
 def gathers_fp8(layer, dtensor: DTensor) -> bool:
     """Whether FSDP2 should gather this layer's weight in FP8 (see the module doc)."""
-    if not getattr(layer, "fp8_all_gather", False):
-        return False
+    if not getattr(layer, "fp8_all_gather", False) or getattr(dtensor, TP_WEIGHT, False):
+        return False  # off, or a tensor-parallel style's weight (not FSDP2's shard)
     if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
         return False
     recipe = layer.recipe
