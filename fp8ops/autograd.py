@@ -180,7 +180,7 @@ class PerTensorLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def _is_gathered(weight: torch.Tensor) -> bool:
+def is_gathered(weight: torch.Tensor) -> bool:
     """A weight FSDP2 gathered in FP8 (distributed/fsdp.py: FP8GatheredWeight)."""
     return hasattr(weight, "fp8_payload")
 
@@ -188,7 +188,7 @@ def _is_gathered(weight: torch.Tensor) -> bool:
 def _has_values(weight: torch.Tensor) -> bool:
     """False for a weight gathered in FP8: its high-precision values are on no rank, so the
     monitor has no cast error to measure."""
-    return not _is_gathered(weight)
+    return not is_gathered(weight)
 
 
 @torch.no_grad()
@@ -196,7 +196,7 @@ def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False
     """The FP8 weight: cast once per accumulation window when there is a state, else every
     call. cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast. A weight FSDP2
     gathered in FP8 (distributed/fsdp.py) carries its payload: nothing to cast."""
-    if _is_gathered(weight):
+    if is_gathered(weight):
         payload = weight.fp8_payload(state, live)
         if payload is None:  # cast for another kind of forward
             payload = weight.recast(state, cast, live, in_recompute())

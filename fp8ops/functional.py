@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .autograd import linear_blockwise, linear_mx, linear_per_tensor
+from .autograd import is_gathered, linear_blockwise, linear_mx, linear_per_tensor
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState, check_recipe)
 
@@ -44,6 +44,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     a state also caches the FP8 weight between optimizer steps and carries the random stream
     of stochastic rounding."""
     _check(input, weight, bias)
+    if is_gathered(weight) and torch.compiler.is_compiling():
+        # FSDP2's FP8-gathered weight is a tensor subclass the compiler does not trace: this
+        # layer runs eagerly inside the compiled model (a graph break)
+        return _eager_linear(input, weight, bias, recipe=recipe, state=state)
     if state is not None:
         if not isinstance(state, ScalingState):
             raise TypeError(f"state must be an fp8ops.ScalingState, got {type(state).__name__}")
@@ -78,3 +82,7 @@ def _no_inputs(input: torch.Tensor, weight: torch.Tensor,
     dtype = input.dtype
     return torch.nn.functional.linear(input, weight.to(dtype),
                                       None if bias is None else bias.to(dtype))
+
+
+_eager_linear = torch.compiler.disable(linear)
+

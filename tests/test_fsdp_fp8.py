@@ -188,6 +188,9 @@ def _rank_data_worker(rank, out_dir):
 
 def _world1_worker(rank, out_dir):
     res = {}
+    for fp8 in (True, False):  # compiled: the FP8-gathered layers run eagerly inside the graph
+        model = torch.compile(shard(make_model(RECIPES["current"], fp8_all_gather=fp8)))
+        res["compiled", fp8] = {"losses": train(model), "state": full_state(model)}
     for name in ("current", "delayed", "blockwise"):
         model = shard(make_model(RECIPES[name]))
         res[name] = {"losses": train(model), "state": full_state(model),
@@ -237,6 +240,7 @@ def test_fp8_all_gather_trains_as_one_process(world, single):
 
 def test_fp8_all_gather_world_size_one(single):
     (res,) = spawn(_world1_worker, world=1)
+    _assert_same(res["compiled", True], res["compiled", False], "torch.compile")
     for name in ("current", "delayed", "blockwise"):
         expect = ["FP8WeightShard"] * 3 if name != "blockwise" else EXPECTED_KINDS[name]
         assert res[name]["kinds"] == expect

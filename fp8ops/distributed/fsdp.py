@@ -362,9 +362,4 @@ def _reduce_changed(layer, device: torch.device) -> None:
         other.fp8_state._gathered_amax = (key, amax[i], finite[i])
 
 
-def is_gathered(weight: torch.Tensor) -> bool:
-    return isinstance(weight, FP8GatheredWeight)
-
-
-__all__ = ["FP8WeightShard", "FP8GatheredWeight", "gathers_fp8", "install", "plain_local",
-           "is_gathered"]
+__all__ = ["FP8WeightShard", "FP8GatheredWeight", "gathers_fp8", "install", "plain_local"]
