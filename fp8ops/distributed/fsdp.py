@@ -19,20 +19,22 @@ not a MAX of shard percentiles), meshes other than one Shard(0) dimension (FSDP2
 parallelism: 2-D), and layers built with fp8_all_gather=False.
 
 FP8Linear installs the subclass itself when FSDP2 hands it its sharded parameter (FP8Linear's
-__setattr__), so `fully_shard(model)` on a converted model is all a user writes.
+__setattr__), so `fully_shard(model)` on a converted model is all a user writes. Under
+torch.compile the layers with an FP8-gathered weight run eagerly (functional.linear).
 """
 from __future__ import annotations
 
 import weakref
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
 from .. import weight_cache
 from ..autograd import in_recompute
-from .tensor_parallel import TP_WEIGHT
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, _all_reduce_amax,
                        current_scale, recipe_formats)
+from .tensor_parallel import TP_WEIGHT
 
 _ops = torch.ops.fp8ops
 _aten = torch.ops.aten
@@ -48,8 +50,7 @@ _SHARD_KEEPS = {_aten.view.default, _aten.as_strided.default, _aten.slice.Tensor
 # ops on the gathered weight that give the same FP8 weight (FSDP2's as_strided to the unpadded
 # shape, nn.Parameter's detach, FP8Conv1D's transposed view)
 _GATHERED_VIEWS = {_aten.as_strided.default, _aten.view.default, _aten.detach.default,
-                   _aten.alias.default, _aten.t.default, _aten.transpose.int,
-                   _aten.slice.Tensor}
+                   _aten.alias.default, _aten.t.default, _aten.transpose.int}
 
 
 def gathers_fp8(layer, dtensor: DTensor) -> bool:
@@ -188,7 +189,9 @@ class FP8GatheredWeight(torch.Tensor):
             scales = w._scales
             if w._kind == "blockwise" and func in (_aten.t.default, _aten.transpose.int):
                 scales = scales.t()
-            return cls(w._kind, data, scales, w.dtype, w._decision)
+            # block scales follow the whole weight or its transpose only
+            if w._kind == "tensor" or data.shape in (w.shape, w.shape[::-1]):
+                return cls(w._kind, data, scales, w.dtype, w._decision)
         return func(*tree_map_only(cls, lambda t: t.dequantized(), args),
                     **tree_map_only(cls, lambda t: t.dequantized(), kwargs))
 
