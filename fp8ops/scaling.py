@@ -253,9 +253,9 @@ class RoleState(nn.Module):
             get_format(fmt).max, recipe.margin if margin is None else margin, recipe.interval,
             recipe.amax_compute_algo,
             recipe.ema_alpha, recipe.percentile, recipe.power_of_two)
-        for buf, new in zip((self.amax_history, self.scale, self.scale_inv, self.amax_rep,
-                             self.pending_amax), outs):
-            buf.copy_(new)
+        # one multi-tensor copy (a GPU launches one kernel for all five, not five)
+        torch._foreach_copy_([self.amax_history, self.scale, self.scale_inv, self.amax_rep,
+                              self.pending_amax], list(outs))
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor, process_group=None) -> None:
