@@ -4,6 +4,7 @@ fp8ops recipe, and compare: final train / validation loss, gap to the baseline, 
     python examples/train_gpt.py                    # CPU default (emulation backend), a few minutes
     python examples/train_gpt.py --size gpu         # larger model and longer run on a CUDA GPU
     python examples/train_gpt.py --offload          # fp8ops.CPUOffloadOptimizer(AdamW) instead
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
 
 Every run starts from the same seed, sees the same batches in the same order and is evaluated on
 the same fixed validation batches. The FP8 runs convert the transformer blocks' nn.Linear layers
@@ -18,6 +19,21 @@ bytes of the parameters, gradients, cached FP8 weights, FP8 scaling state and op
 a CPU-only machine, what a GPU would hold.
 Outputs in --out-dir: results.md (the table), loss_curves.png, scaling.png (each FP8 layer's scale
 and gradient underflow over the run, from fp8ops.monitor), results.json.
+
+--fsdp: data-parallel training sharded by FSDP2 (torch.distributed.fsdp.fully_shard per transformer
+block and at the root; FP8Linear weights all-gathered in FP8 where the recipe allows it), one
+process per rank under torchrun (gloo on CPU, NCCL on CUDA, one GPU per process; without torchrun
+a single process). Every rank draws the same global batch and trains on its slice of it
+(batch_size must divide by the world size), so the run sees the same data as one process; the
+train and validation losses are averaged over the ranks. Data-parallel gradients are summed in
+another order than one process's, and the FP8 casts of activations and gradients take each rank's
+own amax (current scaling) rather than the whole batch's, so the losses agree with the
+single-process table to a tolerance, not bit for bit (README.md, "Sharded training"). Rank 0
+prints the progress and writes results_fsdp.md, results_fsdp.json, loss_curves_fsdp.png and
+scaling_fsdp.png (from its own monitor: the scales and underflow of its slice's activations and
+gradients; a weight gathered in FP8 is cast shard by shard inside FSDP2's all-gather, which the
+monitor does not sample); peak memory and device state are rank 0's (its shards). --fsdp with
+--offload is not supported yet.
 """
 from __future__ import annotations
 
@@ -83,7 +99,12 @@ def parse_args(argv=None):
                    help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
     p.add_argument("--offload", action="store_true",
                    help="fp8ops.CPUOffloadOptimizer(AdamW): masters and optimizer state on the host")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard with FSDP2 over the ranks of torchrun (see the module doc)")
     args = p.parse_args(argv)
+    if args.fsdp and args.offload:
+        p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
+                "FP32 masters, FSDP2 shards them): use one of them")
     for k, v in SIZES[args.size].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -143,6 +164,77 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------------------------------
+# data parallel (--fsdp)
+# ---------------------------------------------------------------------------------------------
+class Ranks:
+    """This process's place in the data-parallel group: one process (rank 0 of 1) without --fsdp;
+    with it, the torch.distributed group torchrun set up (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, args):
+        self.fsdp, self.rank, self.world = args.fsdp, 0, 1
+        self.device = torch.device(args.device)
+        if not self.fsdp:
+            return
+        import torch.distributed as dist
+        self.dist = dist
+        if "WORLD_SIZE" not in os.environ:  # not under torchrun: a group of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        kwargs = {}
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+            kwargs["device_id"] = self.device
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", **kwargs)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if args.batch_size % self.world:
+            self.close()
+            sys.exit(f"--fsdp: batch_size {args.batch_size} does not divide by the world size "
+                     f"{self.world}: every rank takes an equal slice of each batch")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a global batch."""
+        n = t.shape[0] // self.world
+        return t[self.rank * n:(self.rank + 1) * n]
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean over the ranks of a scalar (each rank's mean over its equal slice)."""
+        if self.world == 1:
+            return value.item()
+        v = value.detach().float().reshape(1).clone()
+        self.dist.all_reduce(v)  # SUM: gloo has no AVG
+        return v.item() / self.world
+
+    def shard(self, model):
+        """FSDP2: each transformer block, then the root (embeddings, final norm, LM head)."""
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    def close(self, ok=False):
+        """Leave the group: after a barrier when every rank finished (ranks other than 0 would
+        otherwise tear down their connections while rank 0 still writes its outputs)."""
+        if self.fsdp and self.dist.is_initialized():
+            if ok:
+                self.dist.barrier()
+            self.dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
 # one run
 # ---------------------------------------------------------------------------------------------
 def keep_high_precision(module, fqn):
@@ -158,17 +250,18 @@ def lr_at(step, args):
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast):
+def evaluate(model, batches, device, autocast, ranks):
     model.eval()
     losses = []
     for x, y in batches:
         with autocast():
-            losses.append(model(x.to(device), y.to(device)).item())
+            losses.append(ranks.mean(model(ranks.part(x).to(device), ranks.part(y).to(device))))
     model.train()
     return sum(losses) / len(losses)
 
 
-def run(name, args, train_tokens, val_batches, device):
+def run(name, args, train_tokens, val_batches, ranks):
+    device = ranks.device
     recipe = RECIPES[name]()
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model,
@@ -178,6 +271,8 @@ def run(name, args, train_tokens, val_batches, device):
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision)
         if args.monitor_every:
             fp8ops.monitor(model, every=args.monitor_every)
+    if ranks.fsdp:
+        ranks.shard(model)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if args.offload:
         # the non-finite check reuses the norm of the clipping below: free
@@ -192,14 +287,14 @@ def run(name, args, train_tokens, val_batches, device):
     else:
         autocast = nullcontext
     bar = range(args.steps)
-    if not args.no_progress:
+    if not args.no_progress and ranks.main:
         from tqdm import tqdm
         bar = tqdm(bar, desc=f"{name:>18}", leave=True, dynamic_ncols=True)
     train_curve, val_curve, scaling_curve, train_time = [], [], [], 0.0
     with PeakMemory(device) as mem:
         for step in bar:
-            x, y = batches.next()
-            x, y = x.to(device), y.to(device)
+            x, y = batches.next()  # the global batch; each rank trains on its slice
+            x, y = ranks.part(x).to(device), ranks.part(y).to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -216,16 +311,17 @@ def run(name, args, train_tokens, val_batches, device):
                 state_bytes = device_state_bytes(model, opt)["total"]
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss_val = loss.item()  # syncs, so the timing is the step's
+            loss_val = ranks.mean(loss)  # syncs, so the timing is the step's
             train_time += time.perf_counter() - t0
             train_curve.append(loss_val)
             scaling_report.sample(model, step + 1, scaling_curve)  # untimed: it reads values back
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                val_curve.append((step + 1, evaluate(model, val_batches, device, autocast)))
-            if not args.no_progress:
+                val_curve.append((step + 1, evaluate(model, val_batches, device, autocast,
+                                                     ranks)))
+            if not args.no_progress and ranks.main:
                 bar.set_postfix(loss=f"{loss_val:.4f}", val=f"{val_curve[-1][1]:.4f}"
                                 if val_curve else "-")
-    if not args.no_progress:
+    if not args.no_progress and ranks.main:
         bar.close()
     tail = max(1, min(20, args.steps // 10))  # final train loss: mean of the last steps
     return dict(name=name, recipe=repr(recipe) if recipe is not None else "none",
@@ -239,7 +335,7 @@ def run(name, args, train_tokens, val_batches, device):
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def table(results, args, device):
+def table(results, args, device, ranks):
     base = next((r for r in results if r["name"] == "baseline"), None)
     mem_col = "peak mem (MiB, " + results[0]["mem_method"] + ")"
     rows = ["| recipe | final train loss | final val loss | val gap vs baseline | tokens/s | "
@@ -256,7 +352,9 @@ def table(results, args, device):
             f"seq_len={args.seq_len} batch={args.batch_size} steps={args.steps} lr={args.lr} "
             f"seed={args.seed}; device={device} ({'bf16 autocast' if device.type == 'cuda' else 'float32'}"
             f" baseline); optimizer="
-            f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; fp8ops backend="
+            f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; "
+            + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
+               f"state of rank 0); " if ranks.fsdp else "") + "fp8ops backend="
             f"{backend} ({backend.reason}); FP8: blocks' Linears only "
             f"(embeddings and LM head in high precision); final train loss = mean of the last "
             f"{max(1, min(20, args.steps // 10))} steps")
@@ -289,25 +387,34 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda asked for, but torch.cuda.is_available() is False")
-    os.makedirs(args.out_dir, exist_ok=True)
-    train_tokens, val_tokens = load_tokens()
-    val_batches = fixed_batches(val_tokens, args.eval_batches, args.batch_size, args.seq_len,
-                                seed=args.seed + 12345)
-    results = [run(name, args, train_tokens, val_batches, device) for name in args.recipes]
-    text = table(results, args, device)
-    print("\n" + text)
-    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump(dict(args=vars(args), results=results), f, indent=1)
-    plot(results, os.path.join(args.out_dir, "loss_curves.png"))
-    drew = scaling_report.plot(results, os.path.join(args.out_dir, "scaling.png"))
-    print(f"wrote {args.out_dir}/results.md, results.json, loss_curves.png"
-          + (", scaling.png" if drew else ""))
-    return results
+    ranks = Ranks(args)
+    try:
+        train_tokens, val_tokens = load_tokens()
+        val_batches = fixed_batches(val_tokens, args.eval_batches, args.batch_size,
+                                    args.seq_len, seed=args.seed + 12345)
+        results = [run(name, args, train_tokens, val_batches, ranks) for name in args.recipes]
+        if not ranks.main:
+            ranks.close(ok=True)
+            return results
+        text = table(results, args, ranks.device, ranks)
+        print("\n" + text)
+        suffix = "_fsdp" if args.fsdp else ""  # the single-process table stays
+        names = [f"results{suffix}.md", f"results{suffix}.json", f"loss_curves{suffix}.png",
+                 f"scaling{suffix}.png"]
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, names[0]), "w") as f:
+            f.write(text)
+        with open(os.path.join(args.out_dir, names[1]), "w") as f:
+            json.dump(dict(args=vars(args), world=ranks.world, results=results), f, indent=1)
+        plot(results, os.path.join(args.out_dir, names[2]))
+        drew = scaling_report.plot(results, os.path.join(args.out_dir, names[3]))
+        print(f"wrote {args.out_dir}/" + ", ".join(names[:3] + names[3:] * drew))
+        ranks.close(ok=True)
+        return results
+    finally:
+        ranks.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Bytes are those of the storages kept alive, each counted once (a transposed view shares its
 storage). On a CPU-only machine the device is the host: the counts are what a GPU would hold
 for the same model and optimizer (a CPUOffloadOptimizer's masters, host gradients and state are
-host memory wherever they run, and are not counted).
+host memory wherever they run, and are not counted). Of a DTensor (FSDP2's sharded parameters,
+their gradients and optimizer state) the local shard is counted: what this rank holds.
 """
 from __future__ import annotations
 
@@ -25,11 +26,19 @@ def _tensors(obj) -> Iterable[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (FSDP2's sharded parameters, gradients and optimizer state): the
+    bytes this rank holds."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 def _count(tensors, seen: set) -> int:
     total = 0
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        t = _local(t)
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         if key not in seen:

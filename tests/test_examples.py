@@ -59,3 +59,49 @@ def test_train_gpt_offload_tiny(tmp_path):
         # float32 master + gradient + AdamW state (16 bytes per parameter) against 4 bytes for
         # the other parameters and 2 for the FP8 weights
         assert o["device_state_mib"] < 0.3 * p["device_state_mib"], (o["name"], o, p)
+
+
+def _torchrun(*args, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(ROOT, "examples", "train_gpt.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+
+
+def test_train_gpt_fsdp_tiny(tmp_path):
+    """torchrun with 2 gloo processes and --fsdp gives the single-process loss table: each rank
+    trains on its half of every batch, FSDP2 averages the gradients. Float32 sums in another
+    order (baseline; DelayedScaling, whose amaxes are all-reduced): 1e-4. CurrentScaling casts
+    activations and gradients with each rank's own amax: 5e-3."""
+    args = ["--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
+            "baseline,delayed,current", "--no-progress", "--out-dir", str(tmp_path)]
+    single = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert single.returncode == 0, single.stdout + single.stderr
+    proc = _torchrun("--fsdp", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    md = (tmp_path / "results_fsdp.md").read_text()
+    assert "FSDP2 over 2 ranks (gloo" in md and md in proc.stdout
+    assert proc.stdout.count("| baseline |") == 1  # rank 0 alone prints
+    assert (tmp_path / "results.md").read_text() != md  # the single-process table stays
+    assert (tmp_path / "loss_curves_fsdp.png").exists()
+    one = json.loads((tmp_path / "results.json").read_text())["results"]
+    fsdp = json.loads((tmp_path / "results_fsdp.json").read_text())["results"]
+    for a, b in zip(one, fsdp, strict=True):
+        tol = 5e-3 if a["name"] == "current" else 1e-4
+        got = b["train_curve"] + [v for _, v in b["val_curve"]]
+        want = a["train_curve"] + [v for _, v in a["val_curve"]]
+        assert len(got) == len(want) == 6
+        assert max(abs(x - y) for x, y in zip(got, want)) < tol, (a["name"], got, want)
+        assert b["device_state_mib"] < 0.6 * a["device_state_mib"]  # rank 0 holds half
+
+
+def test_train_gpt_fsdp_errors(tmp_path):
+    proc = _torchrun("--fsdp", "--size", "tiny", "--batch-size", "3", "--steps", "1",
+                     "--out-dir", str(tmp_path))
+    assert proc.returncode != 0
+    assert "batch_size 3 does not divide by the world size 2" in proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                           "--fsdp", "--offload"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--fsdp with --offload is not supported" in proc.stderr

@@ -9,14 +9,20 @@ and FP8 state. With different batches per rank, the FP8 gather must equal FSDP2'
 high-precision gather bit for bit (the same casts, only fewer bytes on the wire)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import fp8ops
 from dist_spawn import spawn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
+from _comm_count import CommCount  # noqa: E402
 
 RECIPES = {
     "current": fp8ops.CurrentScaling(),
@@ -83,38 +89,6 @@ def full_state(model):
     return out
 
 
-class Counting:
-    """Bytes all-gathered and amax all-reduces issued while active (the torch.distributed
-    functions FSDP2 and fp8ops call, wrapped)."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_reduce")
-
-    def __init__(self):
-        self.gathered = 0
-        self.all_reduces = 0
-
-    def __enter__(self):
-        self._saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-
-        def gather(fn):
-            def counted(output_tensor, input_tensor, *args, **kwargs):
-                self.gathered += output_tensor.numel() * output_tensor.element_size()
-                return fn(output_tensor, input_tensor, *args, **kwargs)
-            return counted
-
-        def all_reduce(tensor, *args, **kwargs):
-            self.all_reduces += 1
-            return self._saved["all_reduce"](tensor, *args, **kwargs)
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, all_reduce if name == "all_reduce" else gather(fn))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-
 def conv1d_model(recipe, fp8_all_gather):
     torch.manual_seed(0)
     model = nn.Sequential(fp8ops.FP8Conv1D(128, 256, recipe=recipe,
@@ -155,11 +129,11 @@ def _rank_data_worker(rank, out_dir):
     for fp8 in (True, False):
         model = shard(make_model(RECIPES["current"], fp8_all_gather=fp8), mp_policy=bf16)
         res["bf16", fp8] = {"losses": train(model, rank), "state": full_state(model)}
-        with Counting() as count:  # one more step, counted
+        with CommCount() as count:  # one more step, counted
             x, y = batch(7, 0, rank)
             F.mse_loss(model(x), y).backward()
-        res["bytes", fp8] = count.gathered
-        res["all_reduces", fp8] = count.all_reduces
+        res["bytes", fp8] = count.all_gather_bytes
+        res["all_reduces", fp8] = count.all_reduce_calls
     for name in ("current", "delayed"):  # FP8Conv1D: the parameter is the [in, out] transpose
         for fp8 in (True, False):
             model = shard(conv1d_model(RECIPES[name], fp8))

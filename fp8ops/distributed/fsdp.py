@@ -21,6 +21,10 @@ parallelism: 2-D), and layers built with fp8_all_gather=False.
 FP8Linear installs the subclass itself when FSDP2 hands it its sharded parameter (FP8Linear's
 __setattr__), so `fully_shard(model)` on a converted model is all a user writes. Under
 torch.compile the layers with an FP8-gathered weight run eagerly (functional.linear).
+
+fp8ops.monitor does not sample the weight role of a layer gathered in FP8 (its shards are cast
+here, outside the layer's casts); the input and gradient roles are sampled as usual, per rank.
+The bytes saved are measured by bench/bench_comm.py (bench/RESULTS.md).
 """
 from __future__ import annotations
 
