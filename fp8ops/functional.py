@@ -47,7 +47,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if is_gathered(weight) and torch.compiler.is_compiling():
         # FSDP2's FP8-gathered weight is a tensor subclass the compiler does not trace: this
         # layer runs eagerly inside the compiled model (a graph break)
-        return _eager_linear(input, weight, bias, recipe=recipe, state=state)
+        return weight.linear_eagerly(input, weight, bias, recipe=recipe, state=state)
     if state is not None:
         if not isinstance(state, ScalingState):
             raise TypeError(f"state must be an fp8ops.ScalingState, got {type(state).__name__}")
@@ -82,7 +82,3 @@ def _no_inputs(input: torch.Tensor, weight: torch.Tensor,
     dtype = input.dtype
     return torch.nn.functional.linear(input, weight.to(dtype),
                                       None if bias is None else bias.to(dtype))
-
-
-_eager_linear = torch.compiler.disable(linear)
-

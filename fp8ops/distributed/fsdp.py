@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map_only
 
 from .. import weight_cache
 from ..autograd import in_recompute
+from ..functional import linear
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, _all_reduce_amax,
                        current_scale, recipe_formats)
 from .tensor_parallel import TP_WEIGHT
@@ -183,6 +184,11 @@ class FP8GatheredWeight(torch.Tensor):
         self._kind, self._data, self._scales, self._decision = kind, data, scales, decision
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # fp8ops.linear outside the compiler: a compiled model runs a layer with this weight eagerly
+    # (traced, the subclass lost its gradient). Made here, where importing the compiler is
+    # already paid for, not when fp8ops is imported.
+    linear_eagerly = staticmethod(torch.compiler.disable(linear))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
