@@ -70,7 +70,23 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         y = linear_mx(x2, weight, bias, recipe, state)
     elif isinstance(recipe, BlockwiseScaling):
         y = linear_blockwise(x2, weight, bias, recipe, state)
-    return y.reshape(*lead, weight.shape[0])
+    return _unflatten(y, (*lead, weight.shape[0]))
+
+
+def _unflatten(y: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """The GEMM's [rows, out] result y in the output's shape, as a tensor of its own rather than
+    a view (reshape would give a view: FSDP2 warns about a module output that is one, since an
+    in-place op on it would skip FSDP2's pre-backward hook). A 2-D input gives y itself, as
+    nn.Linear does, unless y is a view (a slice of a padded GEMM result); any other case takes
+    aten's _unsafe_view, which torch.matmul and reshape use for a fresh result in the same way:
+    no copy (unless y is a non-contiguous slice), and y and its base are held by nothing else
+    (autograd saves the FP8 operands, not the result), so an in-place op on the returned tensor
+    cannot corrupt anything. Under torch.compile, which cannot ask whether a tensor is a view,
+    every shape takes _unsafe_view (metadata only in a graph)."""
+    if (tuple(y.shape) == shape and not torch.compiler.is_compiling()
+            and not y._is_view()):
+        return y
+    return torch.ops.aten._unsafe_view(y.contiguous(), shape)
 
 
 def _no_inputs(input: torch.Tensor, weight: torch.Tensor,

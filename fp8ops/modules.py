@@ -78,6 +78,16 @@ class FP8Linear(nn.Linear):
                 state.source = None  # a plain weight of its own (not FSDP2's gathered copy)
         super().__setattr__(name, value)
 
+    def _apply(self, fn, recurse=True):
+        # where Module._apply swaps the weight for a new tensor (FSDP2's DTensor parameters:
+        # to_empty() after fully_shard, the meta-device init before a checkpoint load), the FP8
+        # state must hold no weak reference to it (ScalingState.unreferenced)
+        state = self._modules.get("fp8_state")
+        if not isinstance(state, ScalingState):
+            return super()._apply(fn, recurse)
+        with state.unreferenced(self._parameters.get("weight")):
+            return super()._apply(fn, recurse)
+
     def reset_parameters(self) -> None:
         """nn.Linear's init, and a fresh FP8 state (meta init: to_empty() then this)."""
         super().reset_parameters()

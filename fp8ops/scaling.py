@@ -14,6 +14,7 @@ each shard is cast with the scale of the whole tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -438,6 +439,48 @@ class ScalingState(nn.Module):
             item = _WATCHERS[key] = (weakref.ref(param, functools.partial(_forget, key)), [])
         if self._generation not in item[1]:
             item[1].append(self._generation)
+
+    @contextlib.contextmanager
+    def unreferenced(self, tensor: Optional[torch.Tensor]):
+        """No weak reference to `tensor` (the layer's weight) while the block runs; the same
+        object is referenced again after. torch.utils.swap_tensors, which Module._apply uses
+        for a parameter it cannot change in place (FSDP2's DTensor parameters: to_empty() or
+        .to() after fully_shard), refuses a tensor that has weak references; it keeps the Python
+        object (its values and __dict__ change), so every state watching it watches it again.
+        The gradient hook does not survive a swap: it is dropped, and set again by the next
+        forward; a cast to reuse keeps only its scale (as in _apply)."""
+        if tensor is None:
+            yield
+            return
+        key = id(tensor)
+        generations = []
+        if key in _WATCHERS and _WATCHERS[key][0]() is tensor:
+            generations = _WATCHERS.pop(key)[1]  # (no name may keep the weak reference)
+        source = self.source() if self.source is not None else None
+        if source is tensor:
+            self.source = None
+        if self._watched is not None and self._watched() is tensor:
+            self._watched = None  # the next forward watches again
+        hooked = self._hooked is not None and self._hooked[0]() is tensor
+        if hooked:
+            self._hooked[1].remove()
+            self._hooked = None  # the next forward hooks again
+        self._restore_cast(self._saved_cast_scale())  # the entry's weak reference goes
+        try:
+            yield
+        finally:
+            if generations:
+                item = _WATCHERS.get(key)
+                if item is None or item[0]() is not tensor:
+                    item = _WATCHERS[key] = (weakref.ref(tensor, functools.partial(_forget, key)),
+                                             [])
+                item[1].extend(g for g in generations if g not in item[1])
+            if source is tensor and self.source is None:
+                self.source = weakref.ref(tensor)
+            if hooked and not getattr(tensor, "_post_accumulate_grad_hooks", True):
+                # a swapped tensor keeps its (now empty) hook dict but not the autograd hook
+                # that calls it: without this, the next forward's hook would never run
+                tensor._post_accumulate_grad_hooks = None
 
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)

@@ -5,11 +5,27 @@ or NCCL on GPU 0) and bring each rank's result back to the pytest process.
     results = spawn(worker, world=1, backend="nccl")
 
 The worker must be a module-level function (it is pickled by reference into the spawned
-processes). Assertions belong in the pytest process, on the returned results."""
+processes; a functools.partial of one works too). Assertions belong in the pytest process, on the
+returned results.
+
+Teardown, in this order, on every rank:
+  - the rendezvous is a FileStore in the run's temporary directory, not a TCPStore on a port:
+    no port is picked, released and bound again (which another process on a shared machine can
+    take in between), and no rank hosts the store that the others still use;
+  - a barrier once the result is written: no rank tears down while another is still in a
+    collective of its own;
+  - destroy_process_group(), then os._exit(0). Process groups can outlive
+    destroy_process_group(): DTensor's sharding caches keep FSDP2's DeviceMesh, and with it the
+    gloo backend (its worker and TCP loop threads) and the store, alive until the interpreter
+    tears the process down, concurrently with those threads, in no set order. Leaving with
+    os._exit once the result file is closed runs no such teardown.
+A worker that raises skips all three: the exception reaches the pytest process and
+torch.multiprocessing ends the other ranks (a barrier or destroy_process_group there could hang
+on a rank that is gone)."""
 from __future__ import annotations
 
 import os
-import socket
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -21,31 +37,27 @@ import torch.multiprocessing as mp
 TIMEOUT = timedelta(seconds=45)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, worker, port, out_dir, backend):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world, worker, out_dir, backend):
     torch.set_num_threads(1)
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT, **kwargs)
-    try:
-        result = worker(rank, out_dir)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    store = "file://" + os.path.join(out_dir, "store")
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world,
+                            timeout=TIMEOUT, **kwargs)
+    result = worker(rank, out_dir)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(worker, world: int = 2, backend: str = "gloo") -> list:
     """[worker(rank, out_dir) for each rank], each run in its own process."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, worker, free_port(), out_dir, backend), nprocs=world,
-                 join=True)
+        mp.spawn(_entry, args=(world, worker, out_dir, backend), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world)]

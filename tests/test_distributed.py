@@ -10,6 +10,7 @@ fp8 buffer is identical on every rank at all times."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -173,16 +174,21 @@ def _fsdp_single_worker(rank, out_dir):
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stale = []
-    for step in range(8):
-        loss = model(torch.randn(8, 256)).square().mean()
-        for layer in (model[0], model[2]):
-            cache = layer.fp8_state._weight_cache[1]
-            fresh = fp8ops.quantize(layer.weight.full_tensor(), "e4m3")  # current scaling
-            stale.append(not torch.equal(cache[0].view(torch.uint8), fresh.data.view(torch.uint8)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {"stale": stale}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(8):
+            # 2-D inputs, then 3-D ones (FSDP2 warns if a module's output is a view)
+            x = torch.randn(8, 256) if step < 4 else torch.randn(2, 4, 256)
+            loss = model(x).square().mean()
+            for layer in (model[0], model[2]):
+                cache = layer.fp8_state._weight_cache[1]
+                fresh = fp8ops.quantize(layer.weight.full_tensor(), "e4m3")  # current scaling
+                stale.append(not torch.equal(cache[0].view(torch.uint8),
+                                             fresh.data.view(torch.uint8)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {"stale": stale, "warnings": [str(w.message) for w in caught]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,11 +288,25 @@ def test_checkpoint_resume_identical(ddp):
         assert r["resumed_losses"] == r["losses"], (r["resumed_losses"], r["losses"])
 
 
-def test_fsdp2_weight_cache_not_stale():
+@pytest.fixture(scope="module")
+def fsdp_single():
+    (r,) = spawn(_fsdp_single_worker, world=1)
+    return r
+
+
+def test_fsdp2_weight_cache_not_stale(fsdp_single):
     """Without the optimizer-step count in ScalingState.cached_weight's key, this finds forwards
     that used the FP8 weight of an earlier step (FSDP2 keeps data_ptr and _version)."""
-    (r,) = spawn(_fsdp_single_worker, world=1)
+    r = fsdp_single
     assert not any(r["stale"]), f"stale FP8 weight in {sum(r['stale'])} of {len(r['stale'])}"
+
+
+def test_fsdp2_module_output_is_not_a_view(fsdp_single):
+    """FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip the
+    pre-backward hook); FP8Linear returns a tensor of its own, as nn.Linear does for 2-D inputs
+    (and for 3-D ones here too)."""
+    views = [w for w in fsdp_single["warnings"] if "view tensor" in w]
+    assert not views, views[0]
 
 
 def test_weight_cache_sees_write_that_keeps_version():

@@ -1,4 +1,6 @@
 """fp8ops.linear(): accuracy against a float64 reference, shapes, dtypes and argument checks."""
+import copy
+
 import pytest
 import torch
 
@@ -58,6 +60,31 @@ def test_odd_shapes_and_1d_input(name):
     w = torch.randn(7, 45)
     assert fp8ops.linear(torch.randn(45), w, recipe=RECIPES[name] if name != "delayed" else None,
                          state=fp8ops.ScalingState(RECIPES[name])).shape == (7,)
+
+
+@pytest.mark.parametrize("name", ["current", "delayed", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("lead", [(5,), (2, 5), ()], ids=["2d", "3d", "1d"])
+@pytest.mark.parametrize("n_out", [32, 19])  # 19: the MXFP8 GEMM's result is a padded one's slice
+def test_output_is_not_a_view(name, lead, n_out):
+    """The output is a tensor of its own, not a view of the GEMM's result (FSDP2 warns about a
+    module output that is a view: an in-place op on it would skip FSDP2's pre-backward hook), in
+    every mode; an in-place op on it gives the gradients of the same op out of place."""
+    layer = fp8ops.FP8Linear(64, n_out, recipe=RECIPES[name])
+    twin = copy.deepcopy(layer)
+    x = torch.randn(*lead, 64, requires_grad=True)
+    y = layer(x)
+    assert y._base is None and y.shape == (*lead, n_out)
+    with torch.no_grad():
+        assert layer(x)._base is None
+    with torch.inference_mode():
+        assert layer(x)._base is None
+    dy = torch.randn(y.shape)
+    y.mul_(2).backward(dy)
+    xt = x.detach().requires_grad_()
+    (twin(xt) * 2).backward(dy)
+    assert torch.equal(x.grad, xt.grad)
+    for p, q in zip(layer.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

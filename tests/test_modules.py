@@ -324,6 +324,30 @@ def _copy_grads(src, dst):
 CONTINUE = ["micro", "eval", "micro", "step", "micro", "micro", "step", "micro"]
 
 
+@pytest.mark.parametrize("recipe", [RECIPES[1], STOCHASTIC], ids=["delayed", "stochastic"])
+def test_parameters_swapped_by_module_apply_train_on_exactly(recipe):
+    """Module._apply swaps the parameters it cannot change in place (FSDP2's DTensor ones, as in
+    to_empty() after fully_shard; here torch.__future__'s swap flag): swap_tensors refuses a
+    tensor with weak references, so the FP8 state lets go of its own and takes them again. The
+    swapped model, mid-accumulation, trains on exactly as the one that was not swapped (its
+    optimizer steps still end the cast, its gradients still vouch for it)."""
+    torch.manual_seed(0)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    twin = copy.deepcopy(model)
+    pairs = ((model, _sgd(model)), (twin, _sgd(twin)))
+    _lockstep(*pairs, ["micro", "step", "micro"], seed=1)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        weight = twin.up.weight
+        twin.float()  # float32 already: the values stay, the tensors are swapped
+        assert twin.up.weight is weight  # the same Python object, swapped contents
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    _lockstep(*pairs, CONTINUE, seed=3)
+    _assert_same_state_dict(model.state_dict(), twin.state_dict())
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 @pytest.mark.parametrize("when", ["mid_accumulation", "after_step", "eval_after_load"])
 def test_resume_from_state_dict_is_exact(recipe, when):
