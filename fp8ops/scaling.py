@@ -202,6 +202,9 @@ class _Generation:
 
     def __init__(self):
         self.value = 0
+        # the optimizer step that last moved it (a process-wide serial number; None: none yet):
+        # layers stepped by the same call train together (FSDP2's batched amax all-reduce)
+        self.step_serial = None
 
 
 class RoleState(nn.Module):
@@ -619,13 +622,18 @@ def _forget(key: int, ref) -> None:
         del _WATCHERS[key]
 
 
+_STEP_SERIAL = [0]
+
+
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    _STEP_SERIAL[0] += 1
     for group in optimizer.param_groups:
         for p in group["params"]:
             item = _WATCHERS.get(id(p))
             if item is not None and item[0]() is p:
                 for generation in item[1]:
                     generation.value += 1  # new values: the next forward recasts
+                    generation.step_serial = _STEP_SERIAL[0]
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)

@@ -9,6 +9,7 @@ and FP8 state. With different batches per rank, the FP8 gather must equal FSDP2'
 high-precision gather bit for bit (the same casts, only fewer bytes on the wire)."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -154,6 +155,15 @@ def _rank_data_worker(rank, out_dir):
         fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     except ValueError as e:
         res["offload_error"] = str(e)
+    # a trained model left behind, alive on one rank only (as a garbage collector may leave it):
+    # the next model's batched amax all-reduce must not count its layers on that rank
+    old = shard(make_model(RECIPES["current"]))
+    train(old, rank)
+    kept = [old] if rank == 1 else []
+    del old
+    gc.collect()
+    res["after_left_model"] = train(shard(make_model(RECIPES["current"])), rank)
+    del kept
     sd = shard(make_model(RECIPES["current"])).state_dict()
     res["checkpoint_local_types"] = sorted({type(v.to_local()).__name__ for v in sd.values()
                                             if hasattr(v, "to_local")})
@@ -272,6 +282,11 @@ def test_fp8_all_gather_with_fsdp2_cpu_offload(rank_data, name):
     for rank, res in enumerate(rank_data):
         _assert_same(res["offload", name], res[name, True], (rank, name))
     assert "CPUOffloadPolicy" in rank_data[0]["offload_error"]  # the way to offload under FSDP2
+
+
+def test_a_model_left_alive_on_one_rank_changes_nothing(rank_data):
+    for res in rank_data:
+        assert res["after_left_model"] == res["current", True]["losses"]
 
 
 def test_checkpoint_holds_plain_tensors(rank_data):

@@ -343,7 +343,9 @@ def _global_amax(layer, key: tuple, dtype: torch.dtype, device: torch.device):
     """(amax, finite) of the whole weight (the MAX over the shards; finite: on every rank), in
     `dtype` (the dtype the cast reads: amax commutes with rounding to nearest). The first layer
     of a step that needs one all-reduces those of every per-tensor layer of its mesh whose weight
-    changed, in one collective."""
+    changed, in one collective: those stepped by the same optimizer step as this one (a
+    model's layers; never a model no longer trained, which one rank may have collected and
+    another not yet). Before its first optimizer step a layer all-reduces its own."""
     state = layer.fp8_state
     if state._gathered_amax is None or state._gathered_amax[0] != key:
         _reduce_changed(layer, device)
@@ -356,13 +358,16 @@ def _reduce_changed(layer, device: torch.device) -> None:
     """device: where the gather runs (with FSDP2's CPUOffloadPolicy the shards are on the host;
     the collective runs on the device)."""
     group = _group(layer.fp8_state)
+    serial = getattr(layer.fp8_state._generation, "step_serial", None)
     layers, keys = [], []
-    others = [ref() for ref in _GATHERING]
+    others = [] if serial is None else [ref() for ref in _GATHERING]
     for other in others + ([] if layer in others else [layer]):
         if other is None or isinstance(other.recipe, BlockwiseScaling):
             continue
         state = other.fp8_state
         if state.source is None or state.source() is None or _group(state) is not group:
+            continue
+        if other is not layer and getattr(state._generation, "step_serial", None) != serial:
             continue
         key = _values_key(state)
         if state._gathered_amax is None or state._gathered_amax[0] != key:
