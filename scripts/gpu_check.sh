@@ -61,6 +61,11 @@ if want bench; then
   timeout 600 python3 bench/bench_linear.py --recipes current,delayed,mxfp8,blockwise > "$OUT/bench_linear.log" 2>&1
   rc=$?; tail -16 "$OUT/bench_linear.log"; record $rc bench_linear
 
+  section "bench/bench_comm.py (NCCL, one process: FSDP2's collective bytes per step)"
+  timeout 600 python3 bench/bench_comm.py --backend nccl --world 1 --models gpt \
+    --out "$OUT/comm_nccl.md" > "$OUT/bench_comm.log" 2>&1
+  rc=$?; tail -12 "$OUT/bench_comm.log"; record $rc bench_comm
+
   section "bench/bench_cast.py"
   timeout 900 python3 bench/bench_cast.py --iters 20 > "$OUT/bench_cast.log" 2>&1
   rc=$?; tail -12 "$OUT/bench_cast.log"; record $rc bench_cast
