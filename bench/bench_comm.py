@@ -90,8 +90,10 @@ class LlamaBlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-def build(model_name, setup, device, world, seq_len):
-    """(model sharded by FSDP2, a function giving this rank's batch loss, converted fqns)."""
+def build(model_name, setup, device, world, seq_len, fresh_batches=True):
+    """(model sharded by FSDP2, a function giving this rank's batch loss, converted fqns).
+    fresh_batches=False: every call reuses one batch made on the device (timing: no host-side
+    random numbers in the step)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     recipe_name, _, gather = setup.partition(":")
@@ -124,13 +126,20 @@ def build(model_name, setup, device, world, seq_len):
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
 
     if model_name == "llama8b_block":
+        def make():
+            return torch.randn(1, seq_len, 4096, generator=gen).to(device)
+
         def loss_fn():
-            x = torch.randn(1, seq_len, 4096, generator=gen).to(device)
+            x = make() if fresh_batches else fixed
             return model(x).float().square().mean()
     else:
+        def make():
+            return torch.randint(0, 256, (tokens, seq + 1), generator=gen).to(device)
+
         def loss_fn():
-            idx = torch.randint(0, 256, (tokens, seq + 1), generator=gen).to(device)
+            idx = make() if fresh_batches else fixed
             return model(idx[:, :-1], idx[:, 1:])
+    fixed = None if fresh_batches else make()
     return model, loss_fn, converted
 
 

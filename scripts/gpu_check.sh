@@ -66,6 +66,11 @@ if want bench; then
     --out "$OUT/comm_nccl.md" > "$OUT/bench_comm.log" 2>&1
   rc=$?; tail -12 "$OUT/bench_comm.log"; record $rc bench_comm
 
+  section "bench/bench_fsdp_step.py (NCCL, one process: FP8 vs high-precision all-gather)"
+  timeout 600 python3 bench/bench_fsdp_step.py --backend nccl --world 1 --models gpt,llama8b_block \
+    --seq-len 2048 > "$OUT/bench_fsdp_step.log" 2>&1
+  rc=$?; tail -12 "$OUT/bench_fsdp_step.log"; record $rc bench_fsdp_step
+
   section "bench/bench_cast.py"
   timeout 900 python3 bench/bench_cast.py --iters 20 > "$OUT/bench_cast.log" 2>&1
   rc=$?; tail -12 "$OUT/bench_cast.log"; record $rc bench_cast
