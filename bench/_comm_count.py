@@ -3,7 +3,7 @@ reduce-scatters and all-reduces, as the c10d backend gets them.
 
     with CommCount() as count:
         loss = model(x).sum(); loss.backward(); opt.step()
-    count.all_gather_bytes, count.reduce_scatter_bytes, count.all_reduce_calls, ...
+    count.bytes["all_gather"], count.calls["all_reduce"], ...
 
 It is a TorchDispatchMode that sees the c10d ops (`torch.ops.c10d._allgather_base_`,
 `_reduce_scatter_base_`, `allreduce_`, ...) the torch.distributed functions issue, with their
@@ -16,7 +16,7 @@ off while it handles an op. Functional collectives (`_c10d_functional`) called d
 
 `by_param` (FSDP2 only, from its private all-gather input hook; empty where that hook is not
 there): bytes each parameter contributed to all-gathers, by FQN, times the world size, so that
-they add up to `all_gather_bytes`.
+they add up to `bytes["all_gather"]`.
 """
 from __future__ import annotations
 
@@ -58,30 +58,6 @@ class CommCount(TorchDispatchMode):
         self.calls = dict.fromkeys(KINDS, 0)
         self.bytes = dict.fromkeys(KINDS, 0)
         self.by_param: "dict[str, int]" = defaultdict(int)
-
-    @property
-    def all_gather_bytes(self) -> int:
-        return self.bytes["all_gather"]
-
-    @property
-    def reduce_scatter_bytes(self) -> int:
-        return self.bytes["reduce_scatter"]
-
-    @property
-    def all_reduce_bytes(self) -> int:
-        return self.bytes["all_reduce"]
-
-    @property
-    def all_gather_calls(self) -> int:
-        return self.calls["all_gather"]
-
-    @property
-    def reduce_scatter_calls(self) -> int:
-        return self.calls["reduce_scatter"]
-
-    @property
-    def all_reduce_calls(self) -> int:
-        return self.calls["all_reduce"]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

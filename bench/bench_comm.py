@@ -19,8 +19,9 @@ Models: the demo GPT (examples/gpt.py, the "cpu" preset of examples/train_gpt.py
 Linears in FP8, embeddings and LM head in bf16), one Llama-3-8B-shaped block (d_model 4096, FFN
 14336, 32 query / 8 KV heads; q, k, v, o, gate, up, down as Linear without bias, two RMSNorms, no
 rotary embedding: it has no parameters; 218M parameters, real weights, batch 1 x --seq-len
-tokens; sharded as one block of many: its own fully_shard under a parameterless root), and "tiny" (the demo GPT's tiny preset, for the tests). Bytes do not depend on the
-values: random tokens / activations.
+tokens; sharded as one block of many: its own fully_shard under a parameterless root), and
+"tiny" (the demo GPT's tiny preset, for the tests). Bytes do not depend on the values: random
+tokens / activations.
 
 "FP8Linear weights" counts what the converted layers' weights put into FSDP2's all-gathers (from
 FSDP2's per-parameter all-gather inputs; they add up with the other parameters to the
@@ -34,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -182,41 +182,44 @@ def setups(recipes, gathers):
 # ---------------------------------------------------------------------------------------------
 # processes
 # ---------------------------------------------------------------------------------------------
-def _entry(rank, world, port, backend, jobs, out_dir, seq_len, threads):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def init_rank(rank, world, backend, out_dir, threads) -> torch.device:
+    """Join the run's process group (a FileStore in out_dir: no port to pick) with this rank's
+    device: GPU `rank` on NCCL, else the CPU."""
     torch.set_num_threads(threads)
     kwargs = {}
+    device = torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        kwargs["device_id"] = device
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600), **kwargs)
-    try:
-        results = {}
-        for model_name, setup in jobs:
-            results[model_name, setup] = measure(model_name, setup, device, world, seq_len)
-            if rank == 0:
-                r = results[model_name, setup]
-                print(f"  {model_name:>14} {setup:<16} all-gather {r['bytes']['all_gather']:>12} B"
-                      f"  ({r['seconds']:.1f} s)", flush=True)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        device = kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "store"),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=600),
+                            **kwargs)
+    return device
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def leave_rank() -> None:
+    """Leave together: no rank tears down while another is still in a collective."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _entry(rank, world, backend, jobs, out_dir, seq_len, threads):
+    device = init_rank(rank, world, backend, out_dir, threads)
+    results = {}
+    for model_name, setup in jobs:
+        results[model_name, setup] = measure(model_name, setup, device, world, seq_len)
+        if rank == 0:
+            r = results[model_name, setup]
+            print(f"  {model_name:>14} {setup:<16} all-gather {r['bytes']['all_gather']:>12} B"
+                  f"  ({r['seconds']:.1f} s)", flush=True)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_rank()
 
 
 def run(jobs, world=2, backend="gloo", seq_len=16, threads=1):
     """{(model, setup): counts of rank 0}; every rank must have counted the same."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, free_port(), backend, jobs, out_dir, seq_len, threads),
+        mp.spawn(_entry, args=(world, backend, jobs, out_dir, seq_len, threads),
                  nprocs=world, join=True)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                  for r in range(world)]

@@ -68,23 +68,13 @@ def time_setups(model_name, setups, device, world, seq_len, steps, rounds) -> di
 
 
 def _entry(rank, world, backend, args, out_dir):
-    store = "file://" + os.path.join(out_dir, "store")
-    torch.set_num_threads(args.threads)
-    kwargs = {}
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        kwargs["device_id"] = device
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, **kwargs)
+    device = bench_comm.init_rank(rank, world, backend, out_dir, args.threads)
     setups = bench_comm.setups(args.recipes.split(","), ("bf16", "fp8"))
     results = {m: time_setups(m, setups, device, world, args.seq_len, args.steps, args.rounds)
                for m in args.models.split(",")}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "rank0.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    bench_comm.leave_rank()
 
 
 def table(results) -> str:

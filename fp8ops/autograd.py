@@ -185,12 +185,6 @@ def is_gathered(weight: torch.Tensor) -> bool:
     return hasattr(weight, "fp8_payload")
 
 
-def _has_values(weight: torch.Tensor) -> bool:
-    """False for a weight gathered in FP8: its high-precision values are on no rank, so the
-    monitor has no cast error to measure."""
-    return not is_gathered(weight)
-
-
 @torch.no_grad()
 def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False):
     """The FP8 weight: cast once per accumulation window when there is a state, else every
@@ -226,7 +220,8 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
         return (data, data_t, torch.reciprocal(scale), scale), scale
 
     w_data, w_data_t, w_scale_inv, w_scale = _cast_weight(weight, state, cast_weight, live)
-    if cast_stats.sampling(state) and _has_values(weight):
+    # a weight gathered in FP8 has no high-precision values here: no cast error to measure
+    if cast_stats.sampling(state) and not is_gathered(weight):
         cast_stats.observe(state, "weight", cast_stats.per_tensor_stats(
             cast_stats.weight_values(state, weight), w_data, w_scale))
     if x_cast is None:
@@ -327,7 +322,7 @@ class BlockwiseLinear(torch.autograd.Function):
         if ctx.sampled:
             cast_stats.observe(state, "input",
                                cast_stats.blockwise_stats(x2, x_data, x_scale_inv, 1, 128))
-            if _has_values(weight):
+            if not is_gathered(weight):  # (as in linear_per_tensor)
                 w_values = cast_stats.weight_values(state, weight)
                 cast_stats.observe(state, "weight", cast_stats.blockwise_stats(
                     w_values, w_data, w_scale_inv, 128, 128))

@@ -133,8 +133,8 @@ def _rank_data_worker(rank, out_dir):
         with CommCount() as count:  # one more step, counted
             x, y = batch(7, 0, rank)
             F.mse_loss(model(x), y).backward()
-        res["bytes", fp8] = count.all_gather_bytes
-        res["all_reduces", fp8] = count.all_reduce_calls
+        res["bytes", fp8] = count.bytes["all_gather"]
+        res["all_reduces", fp8] = count.calls["all_reduce"]
     for name in ("current", "delayed"):  # FP8Conv1D: the parameter is the [in, out] transpose
         for fp8 in (True, False):
             model = shard(conv1d_model(RECIPES[name], fp8))
