@@ -1,6 +1,12 @@
-"""Operator calls of one FP8Linear training step (forward + backward, the weight cast cached), per
-recipe, counted on the CPU along the Python path a CUDA device takes: the launches a GPU step pays
-for in host time, measurable without a GPU.
+"""Operator calls of one FP8Linear training step (forward + backward), per recipe, counted on the
+CPU along the Python path a CUDA device takes: the launches a GPU step pays for in host time,
+measurable without a GPU. Two kinds of step, on a bf16 layer:
+
+  first       the first micro-batch after an optimizer step (gradients set to None): the weight
+              is cast again, and the gradients are written
+  accumulate  a later micro-batch: the weight cast is reused, and autograd adds each gradient
+              into .grad (those additions are counted apart, as "accumulations": nn.Linear pays
+              them too, and a main_grad or the GEMM itself can take them)
 
     python bench/op_count.py            # the table; tests/test_op_budget.py holds the budget
 
@@ -43,14 +49,19 @@ RECIPES = {
 
 
 class _Counter(TorchDispatchMode):
-    def __init__(self, large: int):
+    def __init__(self, large: int, grads=()):
         super().__init__()
         self.calls: Counter = Counter()
         self.large = large  # numel from which a copy is an activation copy
         self.activation_copies = 0
+        self.grads = {id(g) for g in grads}  # the .grad tensors autograd accumulates into
+        self.accumulations = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is _aten.add_.Tensor and id(args[0]) in self.grads:
+            self.accumulations += 1
+            return out
         self.calls[func] += 1
         if func in COPIES and isinstance(out, torch.Tensor) and out.numel() >= self.large:
             self.activation_copies += 1
@@ -68,16 +79,25 @@ def _device_path():
         _emulation._on_host = saved
 
 
-def count_step(layer: torch.nn.Module, m: int = 256, warmup: int = 3) -> dict:
-    """The counts of one forward + backward of `layer` on an [m, in_features] batch, after
-    `warmup` steps (the weight cast is cached by then)."""
+def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,
+               dtype: torch.dtype = torch.bfloat16, accumulate: bool = False) -> dict:
+    """The counts of one forward + backward of `layer` (moved to `dtype`, as a bf16 model is
+    trained) on an [m, in_features] batch, after `warmup` steps. accumulate=False: the
+    gradients are set to None first (the first micro-batch after an optimizer step's
+    zero_grad; the weight is cast again); True: they are accumulated into (the weight's cast is
+    reused)."""
+    layer = layer.to(dtype)
     k, n = layer.in_features, layer.out_features
-    x = torch.randn(m, k, requires_grad=True)
-    dy = torch.randn(m, n)
+    x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, dtype=dtype)
     with _device_path():
         for _ in range(warmup):
             layer(x).backward(dy)
-        with _Counter(large=min(m * k, m * n)) as counter:
+        if not accumulate:
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+        grads = [t.grad for t in (x, *layer.parameters()) if t.grad is not None]
+        with _Counter(large=min(m * k, m * n), grads=grads) as counter:
             layer(x).backward(dy)
     calls = counter.calls
     return {
@@ -85,26 +105,35 @@ def count_step(layer: torch.nn.Module, m: int = 256, warmup: int = 3) -> dict:
         "launches": sum(c for f, c in calls.items() if f not in NO_KERNEL),
         "host_syncs": sum(c for f, c in calls.items() if f in HOST_SYNC),
         "activation_copies": counter.activation_copies,
+        "accumulations": counter.accumulations,
         "by_op": {str(f): c for f, c in calls.most_common()},
     }
 
 
-def table(k: int = 256, n: int = 256) -> dict:
-    out = {"nn.Linear": count_step(torch.nn.Linear(k, n))}
+STEPS = ("first", "accumulate")
+
+
+def table(step: str = "accumulate", k: int = 256, n: int = 384) -> dict:
+    """Counts per layer for one kind of step. The weight [n, k] is smaller than the activations
+    (m = 512 rows), so that a copy of it is not taken for an activation copy."""
+    accumulate = {"first": False, "accumulate": True}[step]
+    out = {"nn.Linear": count_step(torch.nn.Linear(k, n), accumulate=accumulate)}
     for name, recipe in RECIPES.items():
-        out[name] = count_step(fp8ops.FP8Linear(k, n, recipe=recipe()))
+        out[name] = count_step(fp8ops.FP8Linear(k, n, recipe=recipe()), accumulate=accumulate)
     return out
 
 
 def main() -> None:
-    rows = table()
-    print("| layer | calls | launches | host syncs | activation copies |")
-    print("|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['calls']} | {r['launches']} | {r['host_syncs']} | "
-              f"{r['activation_copies']} |")
-    for name, r in rows.items():
-        print(f"\n{name}: " + ", ".join(f"{op} x{c}" for op, c in r["by_op"].items()))
+    for step in STEPS:
+        rows = table(step)
+        print(f"\n## {step} micro-batch\n")
+        print("| layer | calls | launches | accumulations | host syncs | activation copies |")
+        print("|---|---|---|---|---|---|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['calls']} | {r['launches']} | {r['accumulations']} | "
+                  f"{r['host_syncs']} | {r['activation_copies']} |")
+        for name, r in rows.items():
+            print(f"\n{name}: " + ", ".join(f"{op} x{c}" for op, c in r["by_op"].items()))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ struct DequantizeBlockwiseParams {
 void launch_dequantize_blockwise(const DequantizeBlockwiseParams& p, cudaStream_t stream);
 
 // Delayed scaling: one step of the amax-history state machine (fp8ops._emulation
-// .delayed_scale_update), one block, no host sync. Inputs are read-only; outputs are separate.
+// .delayed_scale_update), one block, no host sync. Outputs may be the inputs themselves (an update
+// in place: every input is read before any output is written).
 enum class AmaxAlgo : int { kMax, kMostRecent, kEma, kPercentile };
 constexpr int kMaxHistory = 1024;
 struct DelayedScaleParams {
@@ -124,8 +125,31 @@ struct DelayedScaleParams {
   float* out_scale_inv;
   float* out_amax_rep;
   float* out_pending;
+  int64_t* step_inout = nullptr;  // not null: *step_inout += 1 first (step then points to it)
 };
 void launch_delayed_scale_update(const DelayedScaleParams& p, cudaStream_t stream);
+
+// The scale a per-tensor cast uses, and its reciprocal, written by one thread: from an amax as
+// current scaling computes it (amax != nullptr: scale_from_amax with prev 1.0), else a copy of
+// *scale (a delayed-scaling role's scale, snapshotted for backward).
+struct CastScaleParams {
+  const float* amax;   // device, 1 element, or nullptr
+  const float* scale;  // device, 1 element (used when amax is nullptr)
+  float fp8_max, margin;
+  bool power_of_two;
+  float* out_scale;
+  float* out_scale_inv;
+};
+void launch_cast_scale(const CastScaleParams& p, cudaStream_t stream);
+
+// A delayed-scaling role's record of one cast's amax: *pending = max(*pending, *amax) for a
+// finite amax, else *nonfinite_count += 1 (fp8ops._fused.record_amax).
+struct RecordAmaxParams {
+  const float* amax;
+  float* pending_amax;
+  int64_t* nonfinite_count;
+};
+void launch_record_amax(const RecordAmaxParams& p, cudaStream_t stream);
 // ==== END cast kernels ====
 
 // ==== BEGIN gemm ====

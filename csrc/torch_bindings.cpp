@@ -317,11 +317,13 @@ at::Tensor dequantize_blockwise_cuda(const at::Tensor& data, const at::Tensor& s
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update_cuda(
-    const at::Tensor& amax_history, const at::Tensor& scale, const at::Tensor& amax_rep,
-    const at::Tensor& pending_amax, const at::Tensor& step, double fp8_max, double margin, int64_t interval,
-    c10::string_view algo, double ema_alpha, double percentile, bool power_of_two) {
-  const char* op = "delayed_scale_update";
+// Checks the delayed-scaling buffers and arguments; fills the update's inputs and settings (the
+// caller sets the pointers it passes: copies, or the buffers themselves for an update in place).
+fp8ops::DelayedScaleParams delayed_params(const char* op, const at::Tensor& amax_history, const at::Tensor& scale,
+                                          const at::Tensor& amax_rep, const at::Tensor& pending_amax,
+                                          const at::Tensor& step, double fp8_max, double margin, int64_t interval,
+                                          c10::string_view algo, double ema_alpha, double percentile,
+                                          bool power_of_two) {
   const std::pair<const at::Tensor*, const char*> f32s[] = {
       {&amax_history, "amax_history"}, {&scale, "scale"}, {&amax_rep, "amax_rep"}, {&pending_amax, "pending_amax"}};
   for (const auto& [t, name] : f32s) {
@@ -352,18 +354,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
   // rank ceil(p / 100 * n) must stay within the n filled slots (the kernel indexes shared memory with it)
   FP8OPS_CHECK(a != fp8ops::AmaxAlgo::kPercentile || percentile <= 100.0, "fp8ops: ", op,
               ": percentile must be at most 100, got ", percentile);
-  c10::cuda::CUDAGuard guard(amax_history.device());
-  at::Tensor hist = amax_history.contiguous(), st = step.to(at::kLong).contiguous();
-  at::Tensor out_hist = at::empty_like(hist), out_scale = at::empty_like(scale),
-             out_scale_inv = at::empty_like(scale), out_rep = at::empty_like(amax_rep),
-             out_pending = at::empty_like(pending_amax);
   fp8ops::DelayedScaleParams p{};
-  p.amax_history = hist.data_ptr<float>();
-  p.scale = scale.data_ptr<float>();  // one element: contiguous enough
-  p.amax_rep = amax_rep.data_ptr<float>();
-  p.pending_amax = pending_amax.data_ptr<float>();
-  p.step = st.data_ptr<int64_t>();
-  p.history_len = static_cast<int>(hist.numel());
+  p.history_len = static_cast<int>(amax_history.numel());
   p.interval = interval;
   p.algo = a;
   p.fp8_max = static_cast<float>(fp8_max);  // the emulation's torch.tensor(fp8_max, float32)
@@ -372,6 +364,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
   p.ema_b = static_cast<float>(1.0 - ema_alpha);  // difference in double, as in Python
   p.percentile_q = percentile / 100.0;
   p.power_of_two = power_of_two;
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_scale_update_cuda(
+    const at::Tensor& amax_history, const at::Tensor& scale, const at::Tensor& amax_rep,
+    const at::Tensor& pending_amax, const at::Tensor& step, double fp8_max, double margin, int64_t interval,
+    c10::string_view algo, double ema_alpha, double percentile, bool power_of_two) {
+  fp8ops::DelayedScaleParams p = delayed_params("delayed_scale_update", amax_history, scale, amax_rep, pending_amax,
+                                                step, fp8_max, margin, interval, algo, ema_alpha, percentile,
+                                                power_of_two);
+  c10::cuda::CUDAGuard guard(amax_history.device());
+  at::Tensor hist = amax_history.contiguous(), st = step.to(at::kLong).contiguous();
+  at::Tensor out_hist = at::empty_like(hist), out_scale = at::empty_like(scale),
+             out_scale_inv = at::empty_like(scale), out_rep = at::empty_like(amax_rep),
+             out_pending = at::empty_like(pending_amax);
+  p.amax_history = hist.data_ptr<float>();
+  p.scale = scale.data_ptr<float>();  // one element: contiguous enough
+  p.amax_rep = amax_rep.data_ptr<float>();
+  p.pending_amax = pending_amax.data_ptr<float>();
+  p.step = st.data_ptr<int64_t>();
   p.out_history = out_hist.data_ptr<float>();
   p.out_scale = out_scale.data_ptr<float>();
   p.out_scale_inv = out_scale_inv.data_ptr<float>();
@@ -379,6 +391,177 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
   p.out_pending = out_pending.data_ptr<float>();
   fp8ops::launch_delayed_scale_update(p, stream_of(hist));
   return {out_hist, out_scale, out_scale_inv, out_rep, out_pending};
+}
+
+// ---- fused per-tensor casts: scale math and amax bookkeeping in the cast's one call ----------
+// (fp8ops/_fused.py is their definition; the kernels are those of the unfused ops.)
+using FusedCast = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+float fp8_max_of(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f; }
+
+// Sums over the rows of x's 2-D view in float32, rounded to sum_dtype (empty float32 without one).
+at::Tensor column_sums(const at::Tensor& xc, std::optional<at::ScalarType> sum_dtype) {
+  if (!sum_dtype) return at::empty({0}, xc.options().dtype(at::kFloat));
+  FP8OPS_CHECK(xc.dim() >= 1, "fp8ops: column sums need a tensor with at least one dimension");
+  auto [rows, cols] = rows_cols(xc);
+  return at::sum(xc.reshape({rows, cols}), {0}, false, at::kFloat).to(*sum_dtype);
+}
+
+// The cast itself with the scale on the device; amax_out receives max |x|.
+std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
+                                            bool transpose, bool stochastic, int64_t seed, int64_t offset,
+                                            const at::Tensor& amax_out) {
+  auto [rows, cols] = rows_cols(xc);
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
+  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
+  if (xc.numel() == 0) {
+    amax_out.zero_();
+    return {data, data_t};
+  }
+  fp8ops::QuantizeParams p{};
+  p.x = xc.data_ptr();
+  p.x_dtype = to_dtype(xc.scalar_type());
+  p.n = xc.numel();
+  p.cols = cols;
+  p.scale = scale.data_ptr<float>();
+  p.out_dtype = to_dtype(dtype);
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.data_t = transpose ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+  p.amax = amax_out.data_ptr<float>();
+  p.stochastic = stochastic;
+  p.seed = static_cast<uint64_t>(seed);
+  p.offset = static_cast<uint64_t>(offset);
+  fp8ops::launch_quantize(p, stream_of(xc));
+  return {data, data_t};
+}
+
+// out_scale / out_scale_inv of a cast: from amax (current scaling) or a copy of scale.
+void cast_scale(const float* amax, const float* scale, at::ScalarType dtype, double margin, bool power_of_two,
+                const at::Tensor& out_scale, const at::Tensor& out_scale_inv, cudaStream_t stream) {
+  fp8ops::CastScaleParams p{};
+  p.amax = amax;
+  p.scale = scale;
+  p.fp8_max = fp8_max_of(dtype);
+  p.margin = static_cast<float>(margin);
+  p.power_of_two = power_of_two;
+  p.out_scale = out_scale.data_ptr<float>();
+  p.out_scale_inv = out_scale_inv.data_ptr<float>();
+  fp8ops::launch_cast_scale(p, stream);
+}
+
+at::Tensor amax_into(const at::Tensor& xc, const at::Tensor& out) {
+  if (xc.numel() == 0) return out.zero_();
+  fp8ops::launch_amax({xc.data_ptr(), to_dtype(xc.scalar_type()), xc.numel(), out.data_ptr<float>()}, stream_of(xc));
+  return out;
+}
+
+FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, double margin, bool power_of_two,
+                                bool transpose, std::optional<at::ScalarType> sum_dtype, bool stochastic, int64_t seed,
+                                int64_t offset) {
+  check_input(x, "x");
+  check_fp8_dtype(dtype, "dtype");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous();
+  const auto f32 = xc.options().dtype(at::kFloat);
+  at::Tensor amax = at::empty({}, f32), scale = at::empty({}, f32), scale_inv = at::empty({}, f32);
+  amax_into(xc, amax);
+  cast_scale(amax.data_ptr<float>(), nullptr, dtype, margin, power_of_two, scale, scale_inv, stream_of(xc));
+  auto [data, data_t] = cast_with(xc, scale, dtype, transpose, stochastic, seed, offset, amax);
+  return {data, data_t, scale, scale_inv, column_sums(xc, sum_dtype)};
+}
+
+FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_history, const at::Tensor& scale,
+                                const at::Tensor& scale_inv, const at::Tensor& amax_rep, const at::Tensor& pending_amax,
+                                const at::Tensor& step, const at::Tensor& nonfinite_count, at::ScalarType dtype,
+                                double margin, int64_t interval, c10::string_view algo, double ema_alpha,
+                                double percentile, bool power_of_two, bool update, bool warm, bool record,
+                                bool transpose, std::optional<at::ScalarType> sum_dtype, bool stochastic, int64_t seed,
+                                int64_t offset) {
+  const char* op = "quantize_delayed";
+  check_input(x, "x");
+  check_fp8_dtype(dtype, "dtype");
+  fp8ops::DelayedScaleParams p = delayed_params(op, amax_history, scale, amax_rep, pending_amax, step,
+                                                fp8_max_of(dtype), margin, interval, algo, ema_alpha, percentile,
+                                                power_of_two);
+  check_same_device(amax_history, x, "amax_history", "x");
+  // the buffers change in place: each must be the tensor itself, not a copy
+  FP8OPS_CHECK(amax_history.is_contiguous(), "fp8ops: ", op, ": amax_history must be contiguous");
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&scale_inv, "scale_inv"}}) {
+    check_cuda(*t, name);
+    check_same_device(*t, x, name, "x");
+    FP8OPS_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, "fp8ops: ", op, ": ", name,
+                " must be a one-element float32 tensor");
+  }
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&step, "step"},
+                                std::pair<const at::Tensor*, const char*>{&nonfinite_count, "nonfinite_count"}}) {
+    check_cuda(*t, name);
+    check_same_device(*t, x, name, "x");
+    FP8OPS_CHECK(t->scalar_type() == at::kLong && t->numel() == 1, "fp8ops: ", op, ": ", name,
+                " must be a one-element int64 tensor, got ", dtype_str(t->scalar_type()));
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous();
+  cudaStream_t stream = stream_of(xc);
+  if (update) {  // step += 1, then the state machine, in place
+    p.amax_history = amax_history.data_ptr<float>();
+    p.scale = scale.data_ptr<float>();
+    p.amax_rep = amax_rep.data_ptr<float>();
+    p.pending_amax = pending_amax.data_ptr<float>();
+    p.step = step.data_ptr<int64_t>();
+    p.step_inout = step.data_ptr<int64_t>();
+    p.out_history = amax_history.data_ptr<float>();
+    p.out_scale = scale.data_ptr<float>();
+    p.out_scale_inv = scale_inv.data_ptr<float>();
+    p.out_amax_rep = amax_rep.data_ptr<float>();
+    p.out_pending = pending_amax.data_ptr<float>();
+    fp8ops::launch_delayed_scale_update(p, stream);
+  }
+  const auto f32 = xc.options().dtype(at::kFloat);
+  at::Tensor amax = at::empty({}, f32), used = at::empty({}, f32), used_inv = at::empty({}, f32);
+  if (warm) amax_into(xc, amax);
+  cast_scale(warm ? amax.data_ptr<float>() : nullptr, scale.data_ptr<float>(), dtype, margin, power_of_two, used,
+             used_inv, stream);
+  auto [data, data_t] = cast_with(xc, used, dtype, transpose, stochastic, seed, offset, amax);
+  if (record) {
+    fp8ops::launch_record_amax({amax.data_ptr<float>(), pending_amax.data_ptr<float>(),
+                                nonfinite_count.data_ptr<int64_t>()},
+                               stream);
+  }
+  return {data, data_t, used, used_inv, column_sums(xc, sum_dtype)};
+}
+// ---- fused block casts: the row-wise copy, the column-wise copy for the backward GEMMs and the
+// column sums of a 2-D x in one call (two quantizer launches today; one tiled kernel is the aim)
+void check_matrix(const at::Tensor& x, const char* op) {
+  FP8OPS_CHECK(x.dim() == 2, "fp8ops: ", op, ": x must be 2-D [rows, cols], got shape ", shape_str(x));
+}
+
+FusedCast quantize_blockwise_pair_cuda(const at::Tensor& x, at::ScalarType dtype, bool power_of_two,
+                                       std::optional<at::ScalarType> sum_dtype) {
+  check_input(x, "x");
+  check_matrix(x, "quantize_blockwise_pair");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous();
+  auto [data, scale_inv] = quantize_blockwise_cuda(xc, dtype, 1, 128, power_of_two);
+  auto [data_t, scale_inv_t] = quantize_blockwise_cuda(xc.t(), dtype, 1, 128, power_of_two);
+  return {data, scale_inv, data_t, scale_inv_t, column_sums(xc, sum_dtype)};
+}
+
+FusedCast quantize_mx_pair_cuda(const at::Tensor& x, at::ScalarType dtype, int64_t block_size, bool rceil,
+                                std::optional<at::ScalarType> sum_dtype) {
+  check_input(x, "x");
+  check_matrix(x, "quantize_mx_pair");
+  FP8OPS_CHECK(block_size > 0 && block_size <= (1 << 20), "fp8ops: quantize_mx_pair: block_size must be in [1, 2^20], got ",
+              block_size);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  const int64_t pad_m = (block_size - m % block_size) % block_size, pad_k = (block_size - k % block_size) % block_size;
+  // zeros change neither a block's amax nor a product
+  at::Tensor xp = pad_m || pad_k ? at::constant_pad_nd(xc, {0, pad_k, 0, pad_m}) : xc;
+  auto [row, row_scales] = quantize_mx_cuda(xp.narrow(0, 0, m), dtype, block_size, 1, rceil);
+  auto [col, col_scales] = quantize_mx_cuda(xp, dtype, block_size, 0, rceil);
+  return {row, row_scales, col, col_scales, column_sums(xc, sum_dtype)};
 }
 // ==== END cast bindings ====
 
@@ -664,6 +847,10 @@ TORCH_LIBRARY_IMPL(fp8ops, CUDA, m) {
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
   m.impl("dequantize_blockwise", &dequantize_blockwise_cuda);
   m.impl("delayed_scale_update", &delayed_scale_update_cuda);
+  m.impl("quantize_current", &quantize_current_cuda);
+  m.impl("quantize_delayed", &quantize_delayed_cuda);
+  m.impl("quantize_blockwise_pair", &quantize_blockwise_pair_cuda);
+  m.impl("quantize_mx_pair", &quantize_mx_pair_cuda);
   // ==== END cast registrations ====
   // ==== BEGIN gemm registrations ====
   m.impl("gemm", &gemm_cuda);

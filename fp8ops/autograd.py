@@ -71,6 +71,47 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
     return current_scale(amax, fmt, margin, recipe.power_of_two)
 
 
+def _fusable(role, recipe, shards) -> bool:
+    """Whether a cast's scale math and amax bookkeeping can run inside its op: not when an amax
+    must cross processes first (a sharded tensor; a delayed-scaling role under torch.distributed
+    all-reduces what it records) or is a percentile."""
+    if shards is not None:
+        return False
+    if role is None:
+        return getattr(recipe, "amax_percentile", None) is None
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@torch.no_grad()
+def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False,
+                    warm: bool = False, record: bool = False, sum_dtype=None,
+                    stochastic: bool = False, seed: int = 0, offset: int = 0, shards=None):
+    """One per-tensor cast with its transposed copy: (data, data_t, scale, scale_inv, column
+    sums of x or None). role: the delayed-scaling RoleState (None: current scaling), stepped
+    first when `update`, cast with x's own amax when `warm`, x's amax recorded when `record`.
+    sum_dtype: also the sums over x's rows in that dtype (a bias gradient). One op call when
+    nothing crosses processes (ops.quantize_current / quantize_delayed), else the unfused ops."""
+    if _fusable(role, recipe, shards):
+        if role is None:
+            outs = _ops.quantize_current(x, fmt.dtype, margin, recipe.power_of_two, True,
+                                         sum_dtype, stochastic, seed, offset)
+        else:
+            outs = _ops.quantize_delayed(
+                x, role.amax_history, role.scale, role.scale_inv, role.amax_rep,
+                role.pending_amax, role.step, role.nonfinite_count, fmt.dtype, margin,
+                recipe.interval, recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile,
+                recipe.power_of_two, update, warm, record, True, sum_dtype, stochastic, seed,
+                offset)
+        data, data_t, scale, scale_inv, sums = outs
+        return data, data_t, scale, scale_inv, None if sum_dtype is None else sums
+    scale = _scale_before_cast(role, x, fmt, recipe, update, margin, warm, shards)
+    data, data_t, amax = _ops.quantize(x, scale, fmt.dtype, True, stochastic, seed, offset)
+    if record:
+        role.record(amax, recipe.process_group)
+    sums = None if sum_dtype is None else x.sum(0, dtype=_F32).to(sum_dtype)
+    return data, data_t, scale, torch.reciprocal(scale), sums
+
+
 _NO_CAPTURED_RNG = (
     "fp8ops: grad_rounding='stochastic' cannot be captured in a CUDA graph yet: its random seed "
     "and offset are host integers, so every replay would round with the same random numbers. "
@@ -98,14 +139,15 @@ def first_order_only(backward):
     return wrapper
 
 
-def _wgrad_out(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
-    """float32 dW goes into weight.main_grad when the weight has one (returning no .grad),
-    else it is returned in the parameter's dtype."""
+def _wgrad(weight: torch.Tensor, gemm) -> Optional[torch.Tensor]:
+    """dW from gemm(out_dtype): written in the parameter's dtype by the GEMM itself (no float32
+    temporary, no conversion pass), or in float32 and added to weight.main_grad when the weight
+    has one (returning no .grad)."""
     main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:
-        main_grad.add_(dw)
-        return None
-    return dw.to(weight.dtype)
+    if main_grad is None:
+        return gemm(weight.dtype)
+    main_grad.add_(gemm(_F32))
+    return None
 
 
 def _bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor], needed: bool):
@@ -126,29 +168,26 @@ def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 # per-tensor scaling (delayed or current)
 # ----------------------------------------------------------------------------------------------
 class PerTensorLinear(torch.autograd.Function):
+    """x2 carries the gradient; its FP8 cast (x_cast: data, transposed data, scale, scale_inv)
+    is made before (linear_per_tensor), where the delayed-scaling state may change."""
+
     @staticmethod
-    def forward(ctx, x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv, recipe, state,
-                x_cast=None):
-        fwd, bwd = recipe_formats(recipe)
-        if x_cast is None:
-            xq, xq_t, x_amax = _ops.quantize(x2, x_scale, fwd.dtype, True)
-        else:  # cast with x_scale where it was made (a sequence-parallel FP8 all-gather)
-            xq, xq_t, x_amax = x_cast
-        x_scale_inv = torch.reciprocal(x_scale)
+    def forward(ctx, x2, weight, bias, x_cast, w_data, w_data_t, w_scale_inv, recipe, state):
+        _, bwd = recipe_formats(recipe)
+        xq, xq_t, x_scale, x_scale_inv = x_cast
         ctx.sampled = cast_stats.sampling(state)
         if ctx.sampled:
-            cast_stats.observe(state, "input", cast_stats.per_tensor_stats(x2, xq, x_scale),
-                               recorded=not _live(state))
+            # (the cast has recorded its amax already: linear_per_tensor)
+            cast_stats.observe(state, "input", cast_stats.per_tensor_stats(x2, xq, x_scale))
         y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
         ctx.recipe, ctx.bwd, ctx.state, ctx.x_dtype = recipe, bwd, state, x2.dtype
         ctx.grad_warm = state is not None and state.delayed and state.warm["grad"]
-        ctx.mark_non_differentiable(x_amax)
-        return y, x_amax
+        return y
 
     @staticmethod
     @first_order_only
-    def backward(ctx, dy, _):
+    def backward(ctx, dy):
         xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias = ctx.saved_tensors
         state: Optional[ScalingState] = ctx.state
         recipe = ctx.recipe
@@ -156,28 +195,25 @@ class PerTensorLinear(torch.autograd.Function):
         delayed = state is not None and state.delayed
         if state is not None:
             state.follow_stream(dy2.device)
-        g_scale = _scale_before_cast(state.grad if delayed else None, dy2, ctx.bwd, recipe,
-                                     delayed and state.recording, grad_margin(recipe),
-                                     ctx.grad_warm, _shards(state, "grad"))
         stochastic = recipe.grad_rounding == "stochastic"
         if stochastic and dy2.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(_NO_CAPTURED_RNG)
         seed, offset = state.next_rng() if stochastic else (0, 0)
-        gq, gq_t, g_amax = _ops.quantize(dy2, g_scale, ctx.bwd.dtype, True, stochastic, seed,
-                                         offset)
-        if delayed and state.recording:
-            state.grad.record(g_amax, recipe.process_group)
-        g_scale_inv = torch.reciprocal(g_scale)
+        stepping = delayed and state.recording
+        sum_dtype = bias.dtype if bias is not None and ctx.needs_input_grad[2] else None
+        gq, gq_t, g_scale, g_scale_inv, db = cast_per_tensor(
+            dy2, state.grad if delayed else None, ctx.bwd, recipe, grad_margin(recipe),
+            update=stepping, warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype,
+            stochastic=stochastic, seed=seed, offset=offset, shards=_shards(state, "grad"))
         if ctx.sampled:
             cast_stats.observe(state, "grad", cast_stats.per_tensor_stats(dy2, gq, g_scale))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _ops.gemm(gq, w_data_t, g_scale_inv, w_scale_inv, None, ctx.x_dtype, False)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad_out(weight, _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv, None, _F32,
-                                              False))
-        db = _bias_grad(dy2, bias, ctx.needs_input_grad[2])
-        return dx, dw, db, None, None, None, None, None, None, None
+            dw = _wgrad(weight, lambda dtype: _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv,
+                                                        None, dtype, False))
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def is_gathered(weight: torch.Tensor) -> bool:
@@ -210,14 +246,16 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
         raise ValueError("a pre-cast input takes current scaling, not DelayedScaling")
 
     def cast_weight(w, step, scale):
-        if scale is None:
-            scale = _scale_before_cast(state.weight if delayed else None, w, fwd, recipe, step,
-                                       recipe.margin, shards=_shards(state, "weight"))
-        data, data_t, w_amax = _ops.quantize(w, scale, fwd.dtype, True)
+        if scale is not None:  # a decided scale (a restored cast): never steps the role
+            data, data_t, _ = _ops.quantize(w, scale, fwd.dtype, True)
+            return (data, data_t, torch.reciprocal(scale), scale), scale
+        role = state.weight if delayed else None
+        data, data_t, scale, scale_inv, _ = cast_per_tensor(
+            w, role, fwd, recipe, recipe.margin, update=step, warm=delayed and not role.started,
+            record=step, shards=_shards(state, "weight"))
         if step:
-            state.weight.record(w_amax, recipe.process_group)
-            state.weight.started = True
-        return (data, data_t, torch.reciprocal(scale), scale), scale
+            role.started = True
+        return (data, data_t, scale_inv, scale), scale
 
     w_data, w_data_t, w_scale_inv, w_scale = _cast_weight(weight, state, cast_weight, live)
     # a weight gathered in FP8 has no high-precision values here: no cast error to measure
@@ -225,20 +263,21 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
         cast_stats.observe(state, "weight", cast_stats.per_tensor_stats(
             cast_stats.weight_values(state, weight), w_data, w_scale))
     if x_cast is None:
-        x_scale = _scale_before_cast(state.input if delayed else None, x2, fwd, recipe, live,
-                                     recipe.margin, delayed and _warm(state, "input", live),
-                                     _shards(state, "input"))
+        warm = delayed and _warm(state, "input", live)
+        xq, xq_t, x_scale, x_scale_inv, _ = cast_per_tensor(
+            x2, state.input if delayed else None, fwd, recipe, recipe.margin, update=live,
+            warm=warm, record=live, shards=_shards(state, "input"))
     else:
-        x_cast, x_scale = x_cast[:3], x_cast[3]
+        xq, xq_t, _, x_scale = x_cast
+        x_scale_inv = torch.reciprocal(x_scale)
     if recipe.grad_rounding == "stochastic" and state is None:
         raise ValueError("grad_rounding='stochastic' needs a state (fp8ops.ScalingState) to "
                          "carry the random seed and offset")
     if live:  # decided here, outside the Function, so that a recompute sees the same choice
         state.warm["grad"] = not state.grad.started
-    y, x_amax = PerTensorLinear.apply(x2, weight, bias, x_scale, w_data, w_data_t, w_scale_inv,
-                                      recipe, state, x_cast)
+    y = PerTensorLinear.apply(x2, weight, bias, (xq, xq_t, x_scale, x_scale_inv), w_data,
+                              w_data_t, w_scale_inv, recipe, state)
     if live:
-        state.input.record(x_amax, recipe.process_group)
         state.input.started = True
         # the grad role records in backward; its first backward took a warm scale (ctx)
         state.grad.started = state.grad.started or torch.is_grad_enabled()
@@ -256,8 +295,8 @@ class MXLinear(torch.autograd.Function):
         bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
         M, K = x2.shape
         N = weight.shape[0]
-        xp = _pad(_pad(x2, 1, bs), 0, bs)  # [Mp, Kp]
-        x_data, x_scales = _ops.quantize_mx(xp[:M], fwd.dtype, bs, 1, rceil)
+        # blocked along K for this GEMM, along M for wgrad: [M, Kp] and [Mp, Kp], zero-padded
+        x_data, x_scales, xc_data, xc_scales, _ = _ops.quantize_mx_pair(x2, fwd.dtype, bs, rceil)
         ctx.sampled, ctx.state = cast_stats.sampling(state), state
         if ctx.sampled:
             cast_stats.observe(state, "input", cast_stats.mx_stats(x2, x_data, x_scales, bs, 1))
@@ -265,7 +304,6 @@ class MXLinear(torch.autograd.Function):
                 cast_stats.weight_values(state, weight), *w_row, bs, 1))
         bias_p = None if bias is None else _pad(bias, 0, bs)
         y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, x2.dtype, bs)[:, :N]
-        xc_data, xc_scales = _ops.quantize_mx(xp, fwd.dtype, bs, 0, rceil)  # blocked along M
         ctx.save_for_backward(xc_data.t(), xc_scales.t(), w_col_t[0], w_col_t[1], weight, bias)
         ctx.meta = (bwd, bs, rceil, M, K, N, x2.dtype)
         return y
@@ -275,24 +313,32 @@ class MXLinear(torch.autograd.Function):
     def backward(ctx, dy):
         xc_t, xc_t_scales, w_col_t, w_col_t_scales, weight, bias = ctx.saved_tensors
         bwd, bs, rceil, M, K, N, x_dtype = ctx.meta
-        dyp = _pad(_pad(dy.contiguous(), 1, bs), 0, bs)  # [Mp, Np]
+        dy2 = dy.contiguous()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        sum_dtype = bias.dtype if bias is not None and need_db else None
+        if need_dx and need_dw:  # both copies and the bias gradient in one call
+            g_data, g_scales, gc_data, gc_scales, db = _ops.quantize_mx_pair(
+                dy2, bwd.dtype, bs, rceil, sum_dtype)
+            db = None if sum_dtype is None else db
+        else:
+            dyp = _pad(_pad(dy2, 1, bs), 0, bs)  # [Mp, Np]
+            if need_dx:
+                g_data, g_scales = _ops.quantize_mx(dyp[:M], bwd.dtype, bs, 1, rceil)
+            if need_dw:
+                gc_data, gc_scales = _ops.quantize_mx(dyp, bwd.dtype, bs, 0, rceil)
+            db = _bias_grad(dy2, bias, need_db)
+        if ctx.sampled and (need_dx or need_dw):
+            cast_stats.observe(ctx.state, "grad", cast_stats.mx_stats(
+                dy2, g_data, g_scales, bs, 1) if need_dx else cast_stats.mx_stats(
+                dy2, gc_data, gc_scales, bs, 0))
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            g_data, g_scales = _ops.quantize_mx(dyp[:M], bwd.dtype, bs, 1, rceil)
-            if ctx.sampled:
-                cast_stats.observe(ctx.state, "grad",
-                                   cast_stats.mx_stats(dy, g_data, g_scales, bs, 1))
+        if need_dx:
             dx = _ops.gemm_mx(g_data, g_scales, w_col_t, w_col_t_scales, None, x_dtype,
                               bs)[:, :K]
-        if ctx.needs_input_grad[1]:
-            gc_data, gc_scales = _ops.quantize_mx(dyp, bwd.dtype, bs, 0, rceil)
-            if ctx.sampled and not ctx.needs_input_grad[0]:
-                cast_stats.observe(ctx.state, "grad",
-                                   cast_stats.mx_stats(dy, gc_data, gc_scales, bs, 0))
-            dw = _ops.gemm_mx(gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, _F32,
-                              bs)[:N, :K]
-            dw = _wgrad_out(weight, dw)
-        return dx, dw, _bias_grad(dy, bias, ctx.needs_input_grad[2]), None, None, None, None
+        if need_dw:
+            dw = _wgrad(weight, lambda dtype: _ops.gemm_mx(
+                gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, dtype, bs)[:N, :K])
+        return dx, dw, db, None, None, None, None
 
 
 def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
@@ -317,7 +363,9 @@ class BlockwiseLinear(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state):
         fwd, bwd = recipe_formats(recipe)
         p2 = recipe.power_of_two
-        x_data, x_scale_inv = _ops.quantize_blockwise(x2, fwd.dtype, 1, 128, p2)
+        # X 1x128 for this GEMM and X^T 1x128 (128 along M) for wgrad, in one call
+        x_data, x_scale_inv, xt_data, xt_scale_inv, _ = _ops.quantize_blockwise_pair(
+            x2, fwd.dtype, p2)
         ctx.sampled, ctx.state = cast_stats.sampling(state), state
         if ctx.sampled:
             cast_stats.observe(state, "input",
@@ -327,7 +375,6 @@ class BlockwiseLinear(torch.autograd.Function):
                 cast_stats.observe(state, "weight", cast_stats.blockwise_stats(
                     w_values, w_data, w_scale_inv, 128, 128))
         y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
-        xt_data, xt_scale_inv = _ops.quantize_blockwise(x2.t(), fwd.dtype, 1, 128, p2)
         ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)
         ctx.meta = (bwd, p2, x2.dtype)
         return y
@@ -338,23 +385,30 @@ class BlockwiseLinear(torch.autograd.Function):
         xt_data, xt_scale_inv, w_data_t, w_t_scale_inv, weight, bias = ctx.saved_tensors
         bwd, p2, x_dtype = ctx.meta
         dy2 = dy.contiguous()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        sum_dtype = bias.dtype if bias is not None and need_db else None
+        if need_dx and need_dw:  # both copies and the bias gradient in one call
+            g_data, g_scale_inv, gt_data, gt_scale_inv, db = _ops.quantize_blockwise_pair(
+                dy2, bwd.dtype, p2, sum_dtype)
+            db = None if sum_dtype is None else db
+        else:
+            if need_dx:
+                g_data, g_scale_inv = _ops.quantize_blockwise(dy2, bwd.dtype, 1, 128, p2)
+            if need_dw:
+                gt_data, gt_scale_inv = _ops.quantize_blockwise(dy2.t(), bwd.dtype, 1, 128, p2)
+            db = _bias_grad(dy2, bias, need_db)
+        if ctx.sampled and (need_dx or need_dw):
+            cast_stats.observe(ctx.state, "grad", cast_stats.blockwise_stats(
+                dy2, g_data, g_scale_inv, 1, 128) if need_dx else cast_stats.blockwise_stats(
+                dy2.t(), gt_data, gt_scale_inv, 1, 128))
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            g_data, g_scale_inv = _ops.quantize_blockwise(dy2, bwd.dtype, 1, 128, p2)
-            if ctx.sampled:
-                cast_stats.observe(ctx.state, "grad",
-                                cast_stats.blockwise_stats(dy2, g_data, g_scale_inv, 1, 128))
+        if need_dx:
             dx = _ops.gemm_blockwise(g_data, w_data_t, g_scale_inv, w_t_scale_inv, None,
                                      x_dtype)
-        if ctx.needs_input_grad[1]:
-            gt_data, gt_scale_inv = _ops.quantize_blockwise(dy2.t(), bwd.dtype, 1, 128, p2)
-            if ctx.sampled and not ctx.needs_input_grad[0]:
-                cast_stats.observe(ctx.state, "grad",
-                                cast_stats.blockwise_stats(dy2.t(), gt_data, gt_scale_inv, 1, 128))
-            dw = _wgrad_out(weight, _ops.gemm_blockwise(gt_data, xt_data, gt_scale_inv,
-                                                        xt_scale_inv, None, _F32))
-        return (dx, dw, _bias_grad(dy2, bias, ctx.needs_input_grad[2]), None, None, None, None,
-                None)
+        if need_dw:
+            dw = _wgrad(weight, lambda dtype: _ops.gemm_blockwise(
+                gt_data, xt_data, gt_scale_inv, xt_scale_inv, None, dtype))
+        return dx, dw, db, None, None, None, None, None
 
 
 def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):

@@ -121,19 +121,15 @@ def sampling(state) -> bool:
     return attached is not None and state.recording and attached[0].sampling
 
 
-def observe(state, role: str, stats: Dict[str, torch.Tensor], recorded: bool = True) -> None:
-    """Keep the statistics of one sampled cast of `role` under `state` (a ScalingState).
-    recorded=False: the delayed-scaling role records this cast only after it is observed (the
-    input's amax is recorded once its forward returns), so the count adds this cast itself."""
+def observe(state, role: str, stats: Dict[str, torch.Tensor]) -> None:
+    """Keep the statistics of one sampled cast of `role` under `state` (a ScalingState), made
+    after the cast (a delayed-scaling role's nonfinite_count includes it)."""
     mon, layer = state.monitor
     stats = {k: v.detach() for k, v in stats.items()}
     role_state = getattr(state, role, None) if state.delayed else None
     if role_state is not None:
         stats["amax_history_max"] = role_state.amax_history.max()
-        count = role_state.nonfinite_count
-        if not recorded:  # record() counts a cast whose amax is not finite: any inf/NaN element
-            count = count + (stats["nonfinite"] > 0).to(count.dtype)
-        stats["nonfinite_casts"] = count.clone()
+        stats["nonfinite_casts"] = role_state.nonfinite_count.clone()
     else:
         key = (layer, role)
         count = mon.sampled_nonfinite.get(key)

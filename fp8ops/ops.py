@@ -10,9 +10,10 @@ import functools
 
 import torch
 
-from . import _backend, _emulation
+from . import _backend, _emulation, _fused
 
 _lib = torch.library.Library("fp8ops", "DEF")
+_F32 = torch.float32
 
 SCHEMAS = {
     "amax": "(Tensor x) -> Tensor",
@@ -40,14 +41,45 @@ SCHEMAS = {
                "ScalarType out_dtype, int block_size) -> Tensor",
 }
 
+# The casts of the training step, one call each (fp8ops/_fused.py gives their meaning in terms of
+# the ops above). The per-tensor ones carry their scale math and amax bookkeeping and return
+# (data, data_t, scale, scale_inv, column_sums): the scale the cast used and its reciprocal (new
+# tensors). Every one returns, when sum_dtype is given, the sums over the rows of x's 2-D view in
+# float32 rounded to sum_dtype (a bias gradient; else an empty float32 tensor).
+FUSED_SCHEMAS = {
+    "quantize_current": "(Tensor x, ScalarType dtype, float margin, bool power_of_two, "
+                        "bool transpose=False, ScalarType? sum_dtype=None, bool stochastic=False, "
+                        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "quantize_delayed": "(Tensor x, Tensor(a!) amax_history, Tensor(b!) scale, "
+                        "Tensor(c!) scale_inv, Tensor(d!) amax_rep, Tensor(e!) pending_amax, "
+                        "Tensor(f!) step, Tensor(g!) nonfinite_count, ScalarType dtype, "
+                        "float margin, int interval, str algo, float ema_alpha, float percentile, "
+                        "bool power_of_two, bool update, bool warm, bool record, "
+                        "bool transpose=False, ScalarType? sum_dtype=None, bool stochastic=False, "
+                        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    # the row-wise and column-wise block copies of a 2-D x and its column sums, in one call
+    "quantize_blockwise_pair": "(Tensor x, ScalarType dtype, bool power_of_two, "
+                               "ScalarType? sum_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "quantize_mx_pair": "(Tensor x, ScalarType dtype, int block_size, bool rceil, "
+                        "ScalarType? sum_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+}
+
 
 
 def _emulated(name):
-    """The emulation kernel of an op. It runs under no_grad: below the (fallthrough) Autograd
-    key its torch calls must not record a graph on inputs that require grad. (Set directly: the
-    no_grad context manager costs more than some of the kernels on small tensors.)"""
-    fn = getattr(_emulation, name)
+    """The emulation kernel of an op."""
+    return _without_grad(getattr(_emulation, name))
 
+
+def _composite(name):
+    """A fused op as the unfused ops it stands for (each with its own kernel, on any device)."""
+    return _without_grad(getattr(_fused, name))
+
+
+def _without_grad(fn):
+    """A Python kernel runs under no_grad: below the (fallthrough) Autograd key its torch calls
+    must not record a graph on inputs that require grad. (Set directly: the no_grad context
+    manager costs more than some of the kernels on small tensors.)"""
     @functools.wraps(fn)
     def kernel(*args, **kwargs):
         prev = torch.is_grad_enabled()
@@ -66,9 +98,19 @@ for _name, _schema in SCHEMAS.items():
     # autograd.Function supplies the gradients of the FP8 linear layer).
     _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
+
+for _name, _schema in FUSED_SCHEMAS.items():
+    _lib.define(_name + _schema)
+    _lib.impl(_name, _composite(_name), "CPU")
+    _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
 # The C++ kernels register themselves for CUDA when the extension loads; any op it does not
-# cover (or every op, when it is not loaded) runs the emulation on CUDA tensors.
+# cover (or every op, when it is not loaded) runs the emulation on CUDA tensors; a fused op it does
+# not cover runs as its unfused ops (each with its CUDA kernel).
 _backend.load_extension()
+for _name in FUSED_SCHEMAS:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
+        _lib.impl(_name, _composite(_name), "CUDA")
 for _name in SCHEMAS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
         if _name == "gemm_mx" and _backend.extension_loaded():
@@ -164,3 +206,47 @@ def _(a, b, a_scale_inv, b_scale_inv, bias, out_dtype):
 @torch.library.register_fake("fp8ops::gemm_mx")
 def _(a, a_scales, b, b_scales, bias, out_dtype, block_size):
     return _gemm_out(a, b, out_dtype)
+
+
+def _fused_outs(x, dtype, transpose, sum_dtype):
+    rows, cols = _rows_cols(x)
+    data_t = x.new_empty((cols, rows) if transpose else (0,), dtype=dtype)
+    return (x.new_empty(x.shape, dtype=dtype), data_t, _scalar_f32(x), _scalar_f32(x),
+            _sums(x, sum_dtype))
+
+
+@torch.library.register_fake("fp8ops::quantize_current")
+def _(x, dtype, margin, power_of_two, transpose=False, sum_dtype=None, stochastic=False, seed=0,
+      offset=0):
+    return _fused_outs(x, dtype, transpose, sum_dtype)
+
+
+@torch.library.register_fake("fp8ops::quantize_delayed")
+def _(x, amax_history, scale, scale_inv, amax_rep, pending_amax, step, nonfinite_count, dtype,
+      margin, interval, algo, ema_alpha, percentile, power_of_two, update, warm, record,
+      transpose=False, sum_dtype=None, stochastic=False, seed=0, offset=0):
+    return _fused_outs(x, dtype, transpose, sum_dtype)
+
+
+def _sums(x, sum_dtype):
+    return (x.new_empty((_rows_cols(x)[1],), dtype=sum_dtype) if sum_dtype is not None
+            else x.new_empty((0,), dtype=torch.float32))
+
+
+@torch.library.register_fake("fp8ops::quantize_blockwise_pair")
+def _(x, dtype, power_of_two, sum_dtype=None):
+    torch._check(x.dim() == 2, lambda: "fp8ops: quantize_blockwise_pair: x must be 2-D")
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, (k + 127) // 128), dtype=_F32),
+            x.new_empty((k, m), dtype=dtype), x.new_empty((k, (m + 127) // 128), dtype=_F32),
+            _sums(x, sum_dtype))
+
+
+@torch.library.register_fake("fp8ops::quantize_mx_pair")
+def _(x, dtype, block_size, rceil, sum_dtype=None):
+    torch._check(x.dim() == 2, lambda: "fp8ops: quantize_mx_pair: x must be 2-D")
+    m, k = x.shape
+    mp, kp = -(-m // block_size) * block_size, -(-k // block_size) * block_size
+    return (x.new_empty((m, kp), dtype=dtype), x.new_empty((m, kp // block_size), dtype=torch.uint8),
+            x.new_empty((mp, kp), dtype=dtype), x.new_empty((mp // block_size, kp), dtype=torch.uint8),
+            _sums(x, sum_dtype))

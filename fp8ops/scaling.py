@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from . import weight_cache
 from ._checks import check_int, check_int64
 from ._emulation import scale_from_amax
+from ._fused import record_amax
 from .formats import get_format
 
 AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
@@ -250,7 +251,7 @@ class RoleState(nn.Module):
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, fmt, margin: Optional[float] = None) -> None:
         """One step of the state machine; margin defaults to the recipe's (the grad role passes
-        grad_margin)."""
+        grad_margin). (ops.quantize_delayed does the same inside a cast.)"""
         self.step.add_(1)
         outs = torch.ops.fp8ops.delayed_scale_update(
             self.amax_history, self.scale, self.amax_rep, self.pending_amax, self.step,
@@ -268,9 +269,7 @@ class RoleState(nn.Module):
     @torch.no_grad()
     def record_reduced(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
         """record() of an amax already reduced over the ranks (finite: whether every rank's was)."""
-        self.pending_amax.copy_(torch.where(finite, torch.maximum(self.pending_amax, amax),
-                                            self.pending_amax))
-        self.nonfinite_count.add_((~finite).to(torch.int64))
+        record_amax(self.pending_amax, self.nonfinite_count, amax, finite)
 
     @torch.no_grad()
     def warm_scale(self, x: torch.Tensor, fmt, margin: float, recipe) -> torch.Tensor:
@@ -370,6 +369,7 @@ class ScalingState(nn.Module):
                 self._modules[role].reset()
         self.rng_seed = int(getattr(self.recipe, "seed", 0))
         self.rng_offset = 0
+        self.high_precision_calls = 0  # calls its layer's fallback ran in high precision
         # DelayedScaling: whether the last live forward's casts took a warm scale, per role
         self.warm = {"input": True, "grad": True}
         self._weight_cache = None  # a weight_cache.CachedCast
@@ -587,6 +587,7 @@ class ScalingState(nn.Module):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         state.setdefault("_decisions", 0)
+        state.setdefault("high_precision_calls", 0)
         state.setdefault("shard_meshes", {})
         super().__setstate__(state)
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)

@@ -13,6 +13,17 @@ assert torch.cuda.is_available(), "needs a CUDA GPU"
 assert _backend.extension_loaded(), "fp8ops._C not loaded: " + _backend._state["why_not"]
 ops = torch.ops.fp8ops
 F8 = torch.float8_e4m3fn
+
+
+def _role_buffers(history: int):
+    """A delayed-scaling role's buffers (history, scale, scale_inv, amax_rep, pending, step,
+    nonfinite count), mid-training."""
+    f32 = dict(device="cuda", dtype=torch.float32)
+    return (torch.rand(history, **f32), torch.full((), 2.0, **f32), torch.full((), 0.5, **f32),
+            torch.full((), 1.0, **f32), torch.full((), 3.0, **f32),
+            torch.tensor(4, device="cuda"), torch.tensor(0, device="cuda"))
+
+
 if "--race" in sys.argv:
     x = (torch.randn(257, 300, device="cuda") * 3).to(torch.bfloat16)
     s = torch.tensor(2.0, device="cuda")
@@ -23,6 +34,9 @@ if "--race" in sys.argv:
                              torch.tensor(1.0, device="cuda"), torch.tensor(3.0, device="cuda"),
                              torch.tensor(4, device="cuda"), 448.0, 1.0, 1, "percentile", 0.1, 90.0,
                              False)
+    for algo in ("max", "percentile"):  # the update in place: outputs alias the inputs
+        bufs = _role_buffers(1024)
+        ops.quantize_delayed(x, *bufs, F8, 1.0, 1, algo, 0.1, 90.0, False, True, False, True)
     torch.cuda.synchronize()
     print("sanitize_ops --race: the shared-memory kernels ran")
     sys.exit(0)
@@ -46,6 +60,14 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     for blk in ((1, 128), (128, 128), (3, 5)):
         d, si = ops.quantize_blockwise(x, F8, blk[0], blk[1], True)
         ops.dequantize_blockwise(d, si, blk[0], blk[1], dt)
+    # the fused casts of the training step (odd sizes: padding, partial blocks)
+    for v in (x, x[:, 3:]):
+        ops.quantize_current(v, F8, 1.0, False, True, dt, True, 1, 2)
+        for update, warm, record in ((True, False, True), (False, True, False)):
+            ops.quantize_delayed(v, *_role_buffers(17), torch.float8_e5m2, 1.0, 2, "max", 0.1, 90.0,
+                                 True, update, warm, record, True, torch.float32, False, 0, 0)
+        ops.quantize_blockwise_pair(v, F8, False, dt)
+        ops.quantize_mx_pair(v, F8, 32, True, dt)
 for algo in ("max", "most_recent", "ema", "percentile"):
     for L in (1, 17, 1024):
         ops.delayed_scale_update(torch.rand(L, device="cuda"), torch.ones(1, device="cuda"),

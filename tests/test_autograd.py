@@ -10,16 +10,26 @@ import fp8ops
 
 
 class OpLog(TorchDispatchMode):
-    """Records every fp8ops op call with its arguments."""
+    """Records every fp8ops op call with its arguments, and every per-tensor cast (unfused or
+    fused with its scale math) as (input, FP8 dtype, the scale it used)."""
 
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.casts = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if func.namespace == "fp8ops":
-            self.calls.append((func._opname, args))
-        return func(*args, **(kwargs or {}))
+            name = func._opname
+            self.calls.append((name, args))
+            if name == "quantize":
+                self.casts.append((args[0], args[2], args[1]))
+            elif name == "quantize_current":
+                self.casts.append((args[0], args[1], out[2]))
+            elif name == "quantize_delayed":
+                self.casts.append((args[0], args[8], out[2]))
+        return out
 
 
 def test_hybrid_formats_and_three_fp8_gemms():
@@ -27,12 +37,23 @@ def test_hybrid_formats_and_three_fp8_gemms():
     x = torch.randn(8, 32, requires_grad=True)
     with OpLog() as log:
         fp8ops.linear(x, w).sum().backward()
-    casts = [args[2] for name, args in log.calls if name == "quantize"]
+    casts = [dtype for _, dtype, _ in log.casts]
     assert casts == [torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2]  # W, X, dY
     gemms = [(args[0].dtype, args[1].dtype, args[5]) for name, args in log.calls if name == "gemm"]
     assert gemms == [(torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32),  # fwd
                      (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32),  # dgrad
                      (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32)]  # wgrad (fp32 out)
+
+
+def test_wgrad_gemm_writes_the_parameter_dtype():
+    """No float32 temporary and conversion pass for a bf16 weight's gradient."""
+    w = torch.nn.Parameter(torch.randn(16, 32, dtype=torch.bfloat16))
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    with OpLog() as log:
+        fp8ops.linear(x, w).sum().backward()
+    outs = [args[5] for name, args in log.calls if name == "gemm"]
+    assert outs == [torch.bfloat16] * 3
+    assert w.grad.dtype == torch.bfloat16
 
 
 def test_saves_fp8_input_not_high_precision():
@@ -58,7 +79,7 @@ def test_weight_cast_once_per_optimizer_step():
         with OpLog() as log:
             for _ in range(4):  # four microbatches, one optimizer step
                 lin(torch.randn(8, 32)).sum().backward()
-        weight_casts = [a for n, a in log.calls if n == "quantize" and a[0] is lin.weight]
+        weight_casts = [c for c in log.casts if c[0] is lin.weight]
         assert len(weight_casts) == 1, step
         assert lin.fp8_state.weight.step.item() == step + 1
         assert lin.fp8_state.input.step.item() == 4 * (step + 1)
@@ -125,7 +146,7 @@ def test_power_of_two_scales_for_every_cast():
     with OpLog() as log:
         fp8ops.linear(x, w, recipe=fp8ops.CurrentScaling(power_of_two=True)).backward(
             torch.randn(8, 16))
-    scales = [args[1].item() for name, args in log.calls if name == "quantize"]
+    scales = [scale.item() for _, _, scale in log.casts]
     assert len(scales) == 3  # weight, input, grad_output
     assert all(math.log2(s).is_integer() for s in scales), scales
 
@@ -143,3 +164,22 @@ def test_double_backward_raises_naming_fp8ops(recipe, loss):
     (gx,) = torch.autograd.grad(out, x, create_graph=True)
     with pytest.raises(RuntimeError, match="fp8ops.*double backward"):
         (out.detach() + gx.pow(2).sum()).backward()
+
+
+@pytest.mark.parametrize("recipe", [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(),
+                                    fp8ops.MXFP8Scaling(), fp8ops.BlockwiseScaling()],
+                         ids=["current", "delayed", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("trained", ["bias", "bias+weight", "bias+input", "all"])
+def test_bias_gradient_is_dy_column_sums_whatever_else_trains(recipe, trained):
+    """The bias gradient comes out of dY's cast (its column sums) when the cast is made, and
+    on its own when only the bias trains; sampled statistics included (they observe dY's cast
+    only when there is one)."""
+    lin = fp8ops.FP8Linear(96, 40, recipe=recipe)
+    fp8ops.monitor(torch.nn.Sequential(lin), every=1)
+    lin.weight.requires_grad_("weight" in trained or trained == "all")
+    x = torch.randn(70, 96, requires_grad="input" in trained or trained == "all")
+    dy = torch.randn(70, 40)
+    lin(x).backward(dy)
+    assert torch.equal(lin.bias.grad, dy.sum(0))
+    assert (lin.weight.grad is not None) == lin.weight.requires_grad
+    assert (x.grad is not None) == x.requires_grad

@@ -9,7 +9,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAST_OPS = ["amax", "quantize", "dequantize", "quantize_mx", "dequantize_mx", "quantize_blockwise",
-            "dequantize_blockwise", "delayed_scale_update"]
+            "dequantize_blockwise", "delayed_scale_update", "quantize_current", "quantize_delayed",
+            "quantize_blockwise_pair", "quantize_mx_pair"]
 
 
 @pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "fp8ops", "_C*.so")),

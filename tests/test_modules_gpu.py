@@ -187,3 +187,29 @@ def test_forward_on_a_side_stream_backward_on_another(name):
     assert torch.equal(layer.weight.grad, ref.weight.grad)
     for k, v in ref.state_dict().items():
         assert torch.equal(layer.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_training_step_never_syncs_with_the_host(name):
+    """A bf16 FP8Linear step (forward, backward, optimizer step: the weight cast again) makes
+    no device-to-host synchronisation: torch raises on any under sync debug mode "error"."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(512, 384, recipe=RECIPES[name], device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # warm up: allocations, the first casts
+        layer(x).backward(dy)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            layer(x).backward(dy)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert layer.weight.grad is None and torch.isfinite(x.grad.float()).all()
