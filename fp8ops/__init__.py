@@ -5,6 +5,7 @@ Hopper. See README.md; the numerics are those of DESIGN.md sections 3-5.
 """
 from . import ops  # noqa: F401  (defines the torch.ops.fp8ops operators)
 from ._backend import backend
+from .fallback import Crossover
 from .formats import E4M3, E5M2, FP8Format
 from .functional import linear
 from .modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
@@ -42,5 +43,5 @@ __all__ = [
     "amax", "gemm", "linear", "DelayedScaling", "CurrentScaling", "MXFP8Scaling",
     "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
     "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
-    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", *_LAZY,
+    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", "Crossover", *_LAZY,
 ]

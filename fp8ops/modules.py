@@ -9,7 +9,10 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from .autograd import is_gathered
+from .fallback import Fallback, check_fallback, runs_fp8
 from .functional import linear
 from .scaling import ScalingState, check_recipe
 
@@ -47,10 +50,15 @@ class FP8Linear(nn.Linear):
     # under FSDP2, gather the weight in FP8 where the recipe allows (distributed/fsdp.py)
     fp8_all_gather = True
 
+    # where a call runs the high-precision GEMMs instead (fallback.py)
+    fallback: Fallback = "auto"
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
-                 device=None, dtype=None, fp8_all_gather: bool = True):
+                 device=None, dtype=None, fp8_all_gather: bool = True,
+                 fallback: Fallback = "auto"):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_all_gather = bool(fp8_all_gather)
+        self.fallback = check_fallback(fallback)
         self.recipe = check_recipe(recipe)
         self.fp8_state = self._new_state(self.recipe)
         _LAYERS.add(self)
@@ -97,14 +105,33 @@ class FP8Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # eval mode uses the scales as trained and records nothing (no amax, no step)
         self.fp8_state.recording = self.training
-        return linear(input, self.weight, self.bias, state=self.fp8_state)
+        weight = self._out_in_weight()
+        if not self._runs_fp8(input, weight):
+            self.fp8_state.high_precision_calls += 1
+            bias = None if self.bias is None else self.bias.to(input.dtype)
+            return F.linear(input, weight.to(input.dtype), bias)
+        return linear(input, weight, self.bias, state=self.fp8_state)
+
+    def _out_in_weight(self) -> torch.Tensor:
+        """The weight in the [out, in] layout the GEMMs read."""
+        return self.weight
+
+    def _runs_fp8(self, input: torch.Tensor, weight: torch.Tensor) -> bool:
+        """False where the layer's fallback sends this call to the high-precision GEMMs; only a
+        plain local weight can (fallback.py)."""
+        if self.fallback == "never":
+            return True
+        state = self.fp8_state
+        if is_dtensor(weight) or is_gathered(weight) or state.host_weight is not None:
+            return True
+        return runs_fp8(self.fallback, input, self.in_features, self.out_features)
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, recipe=None, *,
-                    fp8_all_gather: bool = True) -> "FP8Linear":
+    def from_linear(cls, mod: nn.Linear, recipe=None, *, fp8_all_gather: bool = True,
+                    fallback: Fallback = "auto") -> "FP8Linear":
         """An FP8Linear sharing mod's weight and bias Parameters."""
         new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, recipe=recipe,
-                  device="meta", fp8_all_gather=fp8_all_gather)
+                  device="meta", fp8_all_gather=fp8_all_gather, fallback=fallback)
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_state = new._new_state(new.recipe)
@@ -172,7 +199,8 @@ class FP8Linear(nn.Linear):
             self.fp8_state.host_weight = host
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}"
+        fallback = "" if self.fallback == "auto" else f", fallback={self.fallback}"
+        return f"{super().extra_repr()}, recipe={self.recipe}{fallback}"
 
 
 def _fsdp():
@@ -198,9 +226,9 @@ class FP8Conv1D(FP8Linear):
     weight_transposed = True
 
     def __init__(self, nf: int, nx: int, *, recipe=None, device=None, dtype=None,
-                 fp8_all_gather: bool = True):
+                 fp8_all_gather: bool = True, fallback: Fallback = "auto"):
         super().__init__(nx, nf, recipe=recipe, device="meta", dtype=dtype,
-                         fp8_all_gather=fp8_all_gather)
+                         fp8_all_gather=fp8_all_gather, fallback=fallback)
         self.nf, self.nx = nf, nx
         self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(nf, device=device, dtype=dtype))
@@ -216,24 +244,25 @@ class FP8Conv1D(FP8Linear):
             nn.init.zeros_(self.bias)
         self.fp8_state.reset()
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self.fp8_state.recording = self.training
+    def _out_in_weight(self) -> torch.Tensor:
         # a view made each call: it follows the parameter's storage; the weight cache keys on
         # the parameter it views (its gradient and version)
-        return linear(input, self.weight.t(), self.bias, state=self.fp8_state)
+        return self.weight.t()
 
     @classmethod
-    def from_conv1d(cls, mod: nn.Module, recipe=None, *,
-                    fp8_all_gather: bool = True) -> "FP8Conv1D":
+    def from_conv1d(cls, mod: nn.Module, recipe=None, *, fp8_all_gather: bool = True,
+                    fallback: Fallback = "auto") -> "FP8Conv1D":
         """An FP8Conv1D sharing the Conv1D mod's weight and bias Parameters."""
-        new = cls(mod.nf, mod.nx, recipe=recipe, device="meta", fp8_all_gather=fp8_all_gather)
+        new = cls(mod.nf, mod.nx, recipe=recipe, device="meta", fp8_all_gather=fp8_all_gather,
+                  fallback=fallback)
         new.weight = mod.weight
         new.bias = mod.bias
         new.fp8_state = new._new_state(new.recipe)
         return new.train(mod.training)
 
     def extra_repr(self) -> str:
-        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe}"
+        fallback = "" if self.fallback == "auto" else f", fallback={self.fallback}"
+        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe}{fallback}"
 
 
 def _is_conv1d(mod: nn.Module) -> bool:
@@ -255,7 +284,7 @@ def _plain_conv1d(mod: FP8Conv1D) -> nn.Module:
 
 def convert_to_fp8(module: nn.Module, recipe=None,
                    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *,
-                   fp8_all_gather: bool = True) -> nn.Module:
+                   fp8_all_gather: bool = True, fallback: Fallback = "auto") -> nn.Module:
     """Replace every nn.Linear and every transformers Conv1D in `module` (in place; `module`
     itself too) by an FP8Linear (an FP8Conv1D for a Conv1D) that shares its parameters.
     filter_fn(layer, fully_qualified_name) -> bool picks which ones.
@@ -268,9 +297,13 @@ def convert_to_fp8(module: nn.Module, recipe=None,
     weights in FP8 where the recipe allows (each rank casts its shard; the bytes are those of
     the single-process cast); False gathers them in high precision.
 
+    fallback: where a layer call runs its GEMMs in high precision instead of FP8 ("auto": the
+    crossover measured on the GPU, "never", or an fp8ops.Crossover; see fp8ops.fallback).
+
     Logs (INFO, logger "fp8ops.modules") how many layers of each kind it converted, and warns
     when it converted none (no such layer, or filter_fn rejected them all)."""
     recipe = check_recipe(recipe)
+    fallback = check_fallback(fallback)
     kinds: Counter = Counter()  # the layers taken, by the class they had
     rejected = [0]
 
@@ -287,10 +320,13 @@ def convert_to_fp8(module: nn.Module, recipe=None,
         if isinstance(mod, FP8Linear):
             mod._use_recipe(recipe)
             mod.fp8_all_gather = bool(fp8_all_gather)
+            mod.fallback = fallback
             return mod
         if _is_conv1d(mod):
-            return FP8Conv1D.from_conv1d(mod, recipe, fp8_all_gather=fp8_all_gather)
-        return FP8Linear.from_linear(mod, recipe, fp8_all_gather=fp8_all_gather)
+            return FP8Conv1D.from_conv1d(mod, recipe, fp8_all_gather=fp8_all_gather,
+                                         fallback=fallback)
+        return FP8Linear.from_linear(mod, recipe, fp8_all_gather=fp8_all_gather,
+                                     fallback=fallback)
 
     if wanted(module, ""):
         module = convert(module)

@@ -15,6 +15,8 @@ Per FP8 layer and role (input, weight, grad), at the last sampled cast:
   nonfinite_casts   casts that met inf/NaN so far (DelayedScaling counts every cast; the others
                     count the sampled ones)
   block_scale_log2_min / _max / _spread   range of the block scales, in binades (MXFP8, blockwise)
+and per FP8 layer, counted on every call (not sampled):
+  high_precision_calls   calls its fallback ran in high precision (fp8ops.fallback)
 With no monitor attached nothing is computed (one `is None` test per cast). On a sampled step
 each cast adds a few elementwise passes over its tensor, all on the device; only stats() reads
 the values back (one host sync per call). raise_on_nonfinite=True checks each sampled cast on
@@ -62,19 +64,25 @@ def unmonitor(model: nn.Module) -> None:
 
 def stats(model: nn.Module, prefix: str = "") -> Dict[str, float]:
     """The latest sampled statistics of every FP8 layer of `model`, flat:
-    "<layer>.<role>.<stat>" -> float, ready for any logger. Empty until a sampled forward ran.
-    Raises if no monitor is attached."""
+    "<layer>.<role>.<stat>" -> float, ready for any logger (no role statistics until a sampled
+    forward ran), and "<layer>.high_precision_calls". Raises if no monitor is attached."""
     mon: Optional[Monitor] = getattr(model, "_fp8ops_monitor", None)
     if mon is None:
         raise ValueError("stats: no monitor on this model; call fp8ops.monitor(model, every=N) "
                          "first")
+    out = {}
+    for name, layer in model.named_modules():
+        attached = getattr(getattr(layer, "fp8_state", None), "monitor", None)
+        if attached is not None and attached[0] is mon:
+            out[f"{prefix}{attached[1]}.high_precision_calls"] = float(
+                layer.fp8_state.high_precision_calls)
     keys, values = [], []
     for (layer, role), s in sorted(mon.latest.items()):
         for stat in STATS:
             if stat in s:
                 keys.append(f"{prefix}{layer}.{role}.{stat}")
                 values.append(s[stat].float().reshape(()))
-    if not values:
-        return {}
-    flat = torch.stack([v.to(values[0].device) for v in values]).tolist()  # one sync
-    return dict(zip(keys, flat))
+    if values:
+        flat = torch.stack([v.to(values[0].device) for v in values]).tolist()  # one sync
+        out.update(zip(keys, flat))
+    return out
