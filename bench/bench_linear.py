@@ -9,7 +9,7 @@ interleaved rounds (each variant --iters steps per round, CUDA events, the L2 fl
 each step); reported: the median per variant over all rounds and the speed-up bf16 time / FP8
 time, with its geometric mean over the shapes. Random inputs, the same for every variant.
 
-    python bench/bench_linear.py [--rounds R] [--iters N] [--recipes current,delayed,mxfp8,blockwise]
+    python bench/bench_linear.py [--rounds R] [--iters N] [--recipes current,delayed,...]
     python bench/bench_linear.py --device cpu --smoke     # runs end to end; not a measurement
 
 Writes bench/results/linear.md (a smoke run only to --out) and prints it.
@@ -85,7 +85,7 @@ def main(argv=None) -> list:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, 1 round of 2 steps: checks the script runs, measures nothing")
+                    help="tiny shapes, 1 round of 2 steps: checks that it runs, measures nothing")
     ap.add_argument("--out", default=None,
                     help="results folder (default bench/results; a smoke run writes only here)")
     args = ap.parse_args(argv)
@@ -139,8 +139,9 @@ def ratio(row, name):
 
 
 def cell_ratio(row, name):
-    r = ratio(row, name)
-    return f"{r:.2f}" if r is not None else (row.get(name) if isinstance(row.get(name), str) else "-")
+    """The speed-up, else the variant's error text, else "-" (bf16 raised)."""
+    r, t = ratio(row, name), row.get(name)
+    return f"{r:.2f}" if r is not None else (t if isinstance(t, str) else "-")
 
 
 def cell_ms(t):
