@@ -1,9 +1,11 @@
 """Shared timing helpers for the fp8ops benchmarks (DESIGN.md section 9): L2 flush, median of
-CUDA-event timings, and the facts about the device and software that every result records."""
+CUDA-event timings, interleaved rounds, and the facts about the device and software that every
+result records."""
 from __future__ import annotations
 
 import platform
 import statistics
+import time
 
 import torch
 
@@ -43,8 +45,63 @@ def time_cuda(fn, iters: int = 50, warmup: int = 5, flush: bool = True) -> float
     return statistics.median(times)
 
 
-def device_info() -> dict:
+def time_step(fn, device: str = "cuda") -> float:
+    """Milliseconds of one fn() call: on a GPU, CUDA events around fn alone with the L2 flushed
+    before; elsewhere wall clock (a smoke run, not a measurement)."""
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    flush_l2()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def error_text(exc: BaseException, limit: int = 160) -> str:
+    """One line for a table cell: the exception's type and the first line of its message."""
+    msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    msg = msg.replace("|", "/")  # a pipe would split the markdown cell
+    return msg if len(msg) <= limit else msg[:limit - 3] + "..."
+
+
+def interleaved(steps: dict, device: str = "cuda", rounds: int = 10, iters: int = 5,
+                warmup: int = 3) -> dict:
+    """Time the step functions side by side: after `warmup` untimed calls each, `rounds` rounds
+    in which every step runs `iters` timed calls in turn, so that a drifting clock or a warming
+    device affects every variant alike. Returns {name: median ms over all timed calls}, or
+    {name: error text} for a step that raised (the others go on)."""
+    out, live = {}, {}
+    for name, fn in steps.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()  # an asynchronous error belongs to this step
+            live[name] = fn
+        except Exception as exc:  # noqa: BLE001 - recorded in the table instead
+            out[name] = error_text(exc)
+    times = {name: [] for name in live}
+    for _ in range(rounds):
+        for name, fn in list(live.items()):
+            try:
+                times[name] += [time_step(fn, device) for _ in range(iters)]
+            except Exception as exc:  # noqa: BLE001
+                out[name] = error_text(exc)
+                del live[name]
+    for name in live:
+        out[name] = statistics.median(times[name])
+    return {name: out[name] for name in steps}
+
+
+def device_info(device: str = "cuda") -> dict:
     """Device name, capability, memory and the software versions a result must record."""
+    if torch.device(device).type != "cuda":
+        return {"device": cpu_name(), "torch": torch.__version__,
+                "python": platform.python_version()}
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return {
         "device": props.name,

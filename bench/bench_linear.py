@@ -1,17 +1,23 @@
-"""FP8Linear forward + backward against bf16 nn.Linear, side by side in one run, on a GPU.
+"""FP8Linear training step against bf16 nn.Linear, side by side in one run, on a GPU.
 
-One training step of one layer: y = layer(x), y.backward(dy), for x [M, K] bf16 (requires grad)
-and a weight [N, K] (bf16 parameters for both). FP8Linear runs its three GEMMs (forward, dgrad,
-wgrad) in FP8 with its casts; nn.Linear runs them in bf16. Median of CUDA-event-timed steps with
-the L2 flushed before each, fresh random inputs per shape.
+One training step of one layer: y = layer(x), y.backward(dy), then an optimizer step
+(torch.optim.SGD, foreach) on the layer's parameters, for x [M, K] bf16 (requires grad) and a
+weight [N, K] (bf16 parameters for both). FP8Linear runs its three GEMMs (forward, dgrad, wgrad)
+in FP8 with its casts, and recasts its weight after every optimizer step, which this step
+therefore counts; nn.Linear runs them in bf16. Per shape, bf16 and every recipe are timed in
+interleaved rounds (each variant --iters steps per round, CUDA events, the L2 flushed before
+each step); reported: the median per variant over all rounds and the speed-up bf16 time / FP8
+time, with its geometric mean over the shapes. Random inputs, the same for every variant.
 
-    python bench/bench_linear.py [--iters N] [--recipes current,delayed,mxfp8,blockwise]
+    python bench/bench_linear.py [--rounds R] [--iters N] [--recipes current,delayed,...]
+    python bench/bench_linear.py --device cpu --smoke     # runs end to end; not a measurement
 
-Writes bench/results/linear.md and prints it.
+Writes bench/results/linear.md (a smoke run only to --out) and prints it.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -20,13 +26,18 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import device_info, require_gpu, time_cuda  # noqa: E402
+from _timing import device_info, error_text, interleaved, require_gpu  # noqa: E402
 
 SHAPES = [  # (M, K, N): tokens, in_features, out_features
     (16384, 8192, 7168), (16384, 8192, 1280), (16384, 4096, 14336), (8192, 4096, 4096),
     (4096, 4096, 4096), (2048, 4096, 4096), (1024, 4096, 4096), (512, 4096, 4096),
     (256, 4096, 4096), (4096, 1024, 1024), (4096, 512, 512),
 ]
+SMOKE_SHAPES = [(64, 128, 96), (32, 64, 64)]
+RECIPES = ("current", "delayed", "mxfp8", "blockwise")
+# The weight gradient x^T dy does not depend on the weight: with the same dy every step the weights
+# drift linearly, by about lr * sqrt(M) per step and element; small, they stay near their start.
+LR = 1e-6
 
 
 def recipes():
@@ -35,59 +46,125 @@ def recipes():
             "mxfp8": fp8ops.MXFP8Scaling(), "blockwise": fp8ops.BlockwiseScaling()}
 
 
-def step_fn(layer, x, dy):
+def fp8_copy(base, recipe):
+    import fp8ops
+    layer = fp8ops.FP8Linear(base.in_features, base.out_features, bias=False, recipe=recipe,
+                             device=base.weight.device, dtype=base.weight.dtype)
+    layer.weight.data.copy_(base.weight.data)
+    return layer
+
+
+def train_step(layer, x, dy):
+    """One training step of `layer` on its own optimizer (its own copy of x, so no two variants
+    share a gradient)."""
+    x = x.detach().clone().requires_grad_()
+    opt = torch.optim.SGD(layer.parameters(), lr=LR, foreach=True)
+
     def step():
-        layer.weight.grad = None
+        opt.zero_grad(set_to_none=True)
         x.grad = None
         layer(x).backward(dy)
+        opt.step()
     return step
 
 
-def main():
+def geomean_cell(values) -> str:
+    """Geometric mean of the ratios that exist, with how many when some variant raised."""
+    ok = [v for v in values if v is not None]
+    if not ok:
+        return "-"
+    g = f"{math.exp(sum(map(math.log, ok)) / len(ok)):.2f}"
+    return g if len(ok) == len(values) else f"{g} ({len(ok)} of {len(values)} shapes)"
+
+
+def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--recipes", default="current,delayed")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args()
-    require_gpu()
-    import fp8ops
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds per shape")
+    ap.add_argument("--iters", type=int, default=10, help="timed steps per variant per round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, 1 round of 2 steps: checks that it runs, measures nothing")
+    ap.add_argument("--out", default=None,
+                    help="results folder (default bench/results; a smoke run writes only here)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.iters, args.warmup = 1, 2, 1
+    if args.device == "cuda":
+        require_gpu()
+    elif not args.smoke:
+        raise SystemExit("--device cpu only with --smoke: CPU timings of the emulation say "
+                         "nothing about the GPU path")
+    out_dir = args.out or (None if args.smoke else os.path.join(HERE, "results"))
 
-    info = device_info()
+    dev = args.device
+    info = device_info(dev)
     names = [r for r in args.recipes.split(",") if r]
-    all_recipes = recipes()
     rows = []
-    for m, k, n in SHAPES:
+    for m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
         torch.manual_seed(0)
-        base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        t_bf16 = time_cuda(step_fn(base, x, dy), args.iters, args.warmup)
-        row = {"bf16": t_bf16}
+        base = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        steps, row = {"bf16": train_step(base, x, dy)}, {}
         for name in names:
-            layer = fp8ops.FP8Linear(k, n, bias=False, recipe=all_recipes[name], device="cuda",
-                                     dtype=torch.bfloat16)
-            layer.weight.data.copy_(base.weight.data)
-            row[name] = time_cuda(step_fn(layer, x, dy), args.iters, args.warmup)
+            try:
+                steps[name] = train_step(fp8_copy(base, recipes()[name]), x, dy)
+            except Exception as exc:  # noqa: BLE001 - recorded in the table instead
+                row[name] = error_text(exc)
+        row.update(interleaved(steps, dev, args.rounds, args.iters, args.warmup))
         rows.append(((m, k, n), row))
-        print(f"M={m:6d} K={k:5d} N={n:6d}  bf16 {t_bf16:8.3f} ms  " +
-              "  ".join(f"{r} {t_bf16 / row[r]:5.2f}x" for r in names), flush=True)
-        del base, x, dy
-        torch.cuda.empty_cache()
+        print(f"M={m:6d} K={k:5d} N={n:6d}  bf16 {cell_ms(row['bf16'])} ms  " +
+              "  ".join(f"{r} {cell_ratio(row, r)}" for r in names), flush=True)
+        del base, x, dy, steps
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
-    lines = ["# FP8Linear forward + backward vs bf16 nn.Linear (speed-up = bf16 time / FP8 time)", "",
-             ", ".join(f"{k}: {v}" for k, v in info.items()), "",
-             f"median of {args.iters} CUDA-event-timed steps, L2 flushed before each", "",
+    table = render(rows, names, info, args)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "linear.md"), "w") as f:
+            f.write(table)
+    print(table)
+    return rows
+
+
+def ratio(row, name):
+    """bf16 time / FP8 time, or None when either raised."""
+    t, t_bf16 = row.get(name), row.get("bf16")
+    if isinstance(t, float) and isinstance(t_bf16, float):
+        return t_bf16 / t
+    return None
+
+
+def cell_ratio(row, name):
+    """The speed-up, else the variant's error text, else "-" (bf16 raised)."""
+    r, t = ratio(row, name), row.get(name)
+    return f"{r:.2f}" if r is not None else (t if isinstance(t, str) else "-")
+
+
+def cell_ms(t):
+    return f"{t:.3f}" if isinstance(t, float) else str(t)
+
+
+def render(rows, names, info, args) -> str:
+    timing = (f"median over {args.rounds} interleaved rounds of {args.iters} CUDA-event-timed "
+              "steps per variant, L2 flushed before each step")
+    if args.smoke:
+        timing = (f"SMOKE RUN on {args.device}: wall clock, {args.rounds} round of {args.iters} "
+                  "steps, tiny shapes; checks that the script runs, NOT a measurement")
+    lines = ["# FP8Linear training step (forward + backward + SGD step) vs bf16 nn.Linear "
+             "(speed-up = bf16 time / FP8 time)", "",
+             ", ".join(f"{k}: {v}" for k, v in info.items()), "", timing, "",
              "| M | K | N | bf16 ms | " + " | ".join(f"{r} speed-up" for r in names) + " |",
              "|---:|---:|---:|---:|" + "---:|" * len(names)]
     for (m, k, n), row in rows:
-        lines.append(f"| {m} | {k} | {n} | {row['bf16']:.3f} | " +
-                     " | ".join(f"{row['bf16'] / row[r]:.2f}" for r in names) + " |")
-    table = "\n".join(lines) + "\n"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "linear.md"), "w") as f:
-        f.write(table)
-    print(table)
+        lines.append(f"| {m} | {k} | {n} | {cell_ms(row['bf16'])} | " +
+                     " | ".join(cell_ratio(row, r) for r in names) + " |")
+    lines.append("| geomean | | | | " +
+                 " | ".join(geomean_cell([ratio(row, r) for _, row in rows]) for r in names) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

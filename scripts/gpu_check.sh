@@ -61,6 +61,10 @@ if want bench; then
   timeout 600 python3 bench/bench_linear.py --recipes current,delayed,mxfp8,blockwise > "$OUT/bench_linear.log" 2>&1
   rc=$?; tail -16 "$OUT/bench_linear.log"; record $rc bench_linear
 
+  section "bench/bench_block.py (Llama-3-8B block, seq 8192: every recipe vs bf16, eager and CUDA-graphed)"
+  timeout 600 python3 bench/bench_block.py > "$OUT/bench_block.log" 2>&1
+  rc=$?; tail -20 "$OUT/bench_block.log"; record $rc bench_block
+
   section "bench/bench_comm.py (NCCL, one process: FSDP2's collective bytes per step)"
   timeout 600 python3 bench/bench_comm.py --backend nccl --world 1 --models gpt \
     --out "$OUT/comm_nccl.md" > "$OUT/bench_comm.log" 2>&1

@@ -1,0 +1,181 @@
+"""Training step of one Llama-3-8B-shaped transformer block: FP8 recipes against bf16, side by
+side in one run, eagerly and under CUDA graphs, on a GPU.
+
+The block is bench/bench_comm.py's LlamaBlock (hidden 4096, SwiGLU FFN 14336 with gate, up and
+down projections, 32 query and 8 KV heads through F.scaled_dot_product_attention, causal, two
+RMSNorms; no rotary embedding: it has no parameters), bf16 parameters, batch --batch x --seq
+tokens. One step: y = block(x), y.backward(y - target) (the gradient of 0.5 |y - target|^2),
+then torch.optim.SGD (foreach) over the block's parameters, so FP8Linear's per-step weight
+recast counts. Variants: the bf16 block (nn.Linear) and the block converted by
+fp8ops.convert_to_fp8(block, recipe) for each recipe, each on its own copy, in two modes: eager,
+and graph (forward and backward captured once with torch.cuda.graph and replayed; the optimizer
+step runs eagerly after each replay). A variant that raises is recorded in the table with its
+error; the others go on. All variants are timed in interleaved rounds (--iters steps each per
+round, CUDA events, the L2 flushed before each step); reported: the median per variant over all
+rounds and the speed-up bf16 time / FP8 time against bf16 in the same mode. Random inputs and
+target, the same for every variant.
+
+    python bench/bench_block.py [--batch 2] [--rounds R] [--iters N] [--modes eager,graph]
+    python bench/bench_block.py --device cpu --smoke     # runs end to end; not a measurement
+
+Writes bench/results/block.md (a smoke run only to --out) and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _timing import device_info, error_text, interleaved, require_gpu  # noqa: E402
+from bench_comm import LlamaBlock  # noqa: E402
+
+RECIPES = ("current", "delayed", "mxfp8", "blockwise")
+MODES = ("eager", "graph")
+LLAMA3_8B = dict(d_model=4096, ffn=14336, n_head=32, n_kv_head=8)
+SMOKE = dict(d_model=64, ffn=128, n_head=4, n_kv_head=2)
+LR = 1e-7  # the loss sums over tokens: small enough for a stable descent at batch 2 x 8192
+
+
+def recipe(name):
+    import fp8ops
+    return {"current": fp8ops.CurrentScaling, "delayed": fp8ops.DelayedScaling,
+            "mxfp8": fp8ops.MXFP8Scaling, "blockwise": fp8ops.BlockwiseScaling}[name]()
+
+
+def build_step(base, name, mode, x, target, warmup=3):
+    """(step function, block) of one variant, on its own copy of the block, optimizer and
+    input."""
+    import fp8ops
+    block = copy.deepcopy(base)
+    if name != "bf16":
+        fp8ops.convert_to_fp8(block, recipe(name))
+    x = x.detach().clone().requires_grad_()
+    opt = torch.optim.SGD(block.parameters(), lr=LR, foreach=True)
+
+    def forward_backward():
+        # a loss bounded below: small SGD steps keep the weights finite however many steps run
+        # (a fixed dy, a loss linear in y, drives them to infinity through the block)
+        y = block(x)
+        y.backward(y.detach() - target)
+
+    if mode == "eager":
+        def step():
+            opt.zero_grad(set_to_none=True)
+            x.grad = None
+            forward_backward()
+            opt.step()
+        return step, block
+
+    # warm up on a side stream, as torch.cuda.graphs requires (lazy state, kernels' setup)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.zero_grad(set_to_none=True)
+            x.grad = None
+            forward_backward()
+    torch.cuda.current_stream().wait_stream(side)
+    # no gradients at capture: the captured backward writes them (not adds) into the graph's
+    # memory, and every replay then overwrites them, as a zero_grad would
+    opt.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward_backward()
+
+    def step():
+        graph.replay()
+        opt.step()  # in place on the parameters: the next replay casts the new weights
+    return step, block
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
+    ap.add_argument("--iters", type=int, default=5, help="timed steps per variant per round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--modes", default=",".join(MODES), help="eager, graph (CUDA only)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny block (hidden 64, ffn 128, 4 heads, 2 KV heads, seq 32), 1 round "
+                         "of 2 steps: checks the script runs, measures nothing")
+    ap.add_argument("--out", default=None,
+                    help="results folder (default bench/results; a smoke run writes only here)")
+    args = ap.parse_args(argv)
+    dims = LLAMA3_8B
+    if args.smoke:
+        dims, args.seq, args.rounds, args.iters, args.warmup = SMOKE, 32, 1, 2, 1
+    modes = [m for m in args.modes.split(",") if m]
+    if args.device == "cuda":
+        require_gpu()
+    else:
+        if not args.smoke:
+            raise SystemExit("--device cpu only with --smoke: CPU timings of the emulation say "
+                             "nothing about the GPU path")
+        modes = [m for m in modes if m != "graph"]  # CUDA graphs need a GPU
+    out_dir = args.out or (None if args.smoke else os.path.join(HERE, "results"))
+
+    dev = args.device
+    torch.manual_seed(0)
+    base = LlamaBlock(**dims).to(dev, torch.bfloat16)
+    x = torch.randn(args.batch, args.seq, dims["d_model"], device=dev, dtype=torch.bfloat16)
+    target = torch.randn_like(x)
+    names = ["bf16"] + [r for r in args.recipes.split(",") if r]
+    steps, blocks, results = {}, {}, {}
+    for mode in modes:
+        for name in names:
+            try:
+                steps[mode, name], blocks[mode, name] = build_step(base, name, mode, x,
+                                                                   target, args.warmup)
+            except Exception as exc:  # noqa: BLE001 - recorded in the table instead
+                results[mode, name] = error_text(exc)
+            print(f"built {mode} {name}: {results.get((mode, name), 'ok')}", flush=True)
+    results.update(interleaved(steps, dev, args.rounds, args.iters, args.warmup))
+    for key, block in blocks.items():  # a time over inf or NaN weights is no result
+        if isinstance(results[key], float) and not all(p.isfinite().all()
+                                                       for p in block.parameters()):
+            results[key] = f"{results[key]:.3f} ms, but the weights were not finite after it"
+
+    table = render(results, modes, names, dims, device_info(dev), args)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "block.md"), "w") as f:
+            f.write(table)
+    print(table)
+    return results
+
+
+def render(results, modes, names, dims, info, args) -> str:
+    timing = (f"median over {args.rounds} interleaved rounds of {args.iters} CUDA-event-timed "
+              "steps per variant, L2 flushed before each step")
+    if args.smoke:
+        timing = (f"SMOKE RUN on {args.device}: wall clock, {args.rounds} round of {args.iters} "
+                  "steps, tiny block; checks that the script runs, NOT a measurement")
+    shape = (f"hidden {dims['d_model']}, ffn {dims['ffn']}, {dims['n_head']} heads, "
+             f"{dims['n_kv_head']} KV heads, batch {args.batch} x seq {args.seq}, bf16 parameters")
+    lines = ["# Llama-3-8B-shaped block, training step (forward + backward + SGD step): FP8 "
+             "recipes vs bf16 (speed-up = bf16 time / FP8 time, same mode)", "",
+             ", ".join(f"{k}: {v}" for k, v in info.items()), "", shape, "", timing, "",
+             "| mode | variant | step ms | speed-up vs bf16 |", "|---|---|---:|---:|"]
+    for mode in modes:
+        t_bf16 = results[mode, "bf16"]
+        for name in names:
+            t = results[mode, name]
+            if not isinstance(t, float):
+                lines.append(f"| {mode} | {name} | {t} | - |")
+                continue
+            speed_up = f"{t_bf16 / t:.2f}" if isinstance(t_bf16, float) else "-"
+            lines.append(f"| {mode} | {name} | {t:.3f} | {speed_up} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""bench/bench_linear.py runs end to end on the CPU (--smoke): a training step for bf16 and every
+recipe, side by side, with a speed-up column per recipe and the geomean row. The timings of a
+smoke run mean nothing; the test checks only that every variant ran and the table is complete."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ["current", "delayed", "mxfp8", "blockwise"]
+
+
+def run_smoke(script, out):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--device", "cpu",
+                           "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _is_number(cell):
+    try:
+        return float(cell) > 0
+    except ValueError:
+        return False
+
+
+def test_bench_linear_smoke(tmp_path):
+    stdout = run_smoke("bench_linear.py", tmp_path)
+    table = (tmp_path / "linear.md").read_text()
+    assert table in stdout and "NOT a measurement" in table
+    assert "| " + " | ".join(f"{r} speed-up" for r in RECIPES) + " |" in table, table
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    shapes = [r for r in rows if r[0].strip().isdigit()]
+    assert [tuple(int(c) for c in r[:3]) for r in shapes] == [(64, 128, 96), (32, 64, 64)]
+    for r in shapes:  # bf16 ms, then one speed-up per recipe: every variant ran
+        assert all(_is_number(c) for c in r[3:]) and len(r) == 4 + len(RECIPES), r
+    geomean = [r for r in rows if r[0].strip() == "geomean"]
+    assert len(geomean) == 1 and all(_is_number(c) for c in geomean[0][4:]), table
