@@ -48,8 +48,11 @@ def recipes():
 
 def fp8_copy(base, recipe):
     import fp8ops
+    # FP8 at every shape (no high-precision fallback): these speed-ups are what the fallback's
+    # crossover table (fp8ops/fallback.py) is read from
     layer = fp8ops.FP8Linear(base.in_features, base.out_features, bias=False, recipe=recipe,
-                             device=base.weight.device, dtype=base.weight.dtype)
+                             device=base.weight.device, dtype=base.weight.dtype,
+                             fallback="never")
     layer.weight.data.copy_(base.weight.data)
     return layer
 
