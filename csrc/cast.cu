@@ -90,12 +90,20 @@ __device__ __forceinline__ Pack<uint8_t, N> quant_pack(const Pack<T, N>& a, floa
   return q;
 }
 
+// The Philox stream of a stochastic cast: from the device buffer when there is one.
+__device__ __forceinline__ uint64_t stream_seed(const QuantizeParams& p) {
+  return p.rng != nullptr ? static_cast<uint64_t>(p.rng[0]) : p.seed;
+}
+__device__ __forceinline__ uint64_t stream_offset(const QuantizeParams& p) {
+  return p.rng != nullptr ? static_cast<uint64_t>(p.rng[1]) : p.offset;
+}
+
 template <typename T, Fp8 F, bool kStoch>
 __global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
   constexpr int N = 16 / sizeof(T);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const float s = *p.scale;
-  RandomWords rw(p.seed, p.offset);
+  RandomWords rw(stream_seed(p), stream_offset(p));
   unsigned m = 0;
   for_each_flat<N>(
       plan,
@@ -129,7 +137,7 @@ quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool 
   const int64_t cols = p.cols;
   const int64_t r0 = (blockIdx.x / tiles_c) * kTile, c0 = (blockIdx.x % tiles_c) * kTile;
   const float s = *p.scale;
-  RandomWords rw(p.seed, p.offset);
+  RandomWords rw(stream_seed(p), stream_offset(p));
   unsigned m = 0;
 
   const int tc = (threadIdx.x % kThreadsPerRow) * N;

@@ -38,6 +38,9 @@ struct QuantizeParams {
   float* amax;         // device, 1 element
   bool stochastic;
   uint64_t seed, offset;  // Philox key and counter high half (DESIGN.md section 4)
+  // device int64 [seed, offset] read by the kernel instead of seed and offset (nullptr: those):
+  // a CUDA graph replays the stream the buffer holds at replay time
+  const int64_t* rng = nullptr;
 };
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 

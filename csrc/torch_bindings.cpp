@@ -130,11 +130,24 @@ std::pair<int64_t, int64_t> rows_cols(const at::Tensor& x) {
   return {rows, x.size(-1)};
 }
 
+// The random-stream buffer int64 [seed, offset] on x's device (nullptr without one).
+const int64_t* rng_ptr(const std::optional<at::Tensor>& rng, const at::Tensor& x) {
+  if (!rng) return nullptr;
+  check_cuda(*rng, "rng");
+  check_same_device(*rng, x, "rng", "x");
+  FP8OPS_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous(),
+              "fp8ops: rng must be a contiguous int64 tensor [seed, offset], got ", dtype_str(rng->scalar_type()),
+              " ", shape_str(*rng));
+  return rng->data_ptr<int64_t>();
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const at::Tensor& scale,
                                                              at::ScalarType dtype, bool transpose,
-                                                             bool stochastic, int64_t seed, int64_t offset) {
+                                                             bool stochastic, int64_t seed, int64_t offset,
+                                                             const std::optional<at::Tensor>& rng) {
   check_input(x, "x");
   check_fp8_dtype(dtype, "dtype");
+  const int64_t* rng_words = rng_ptr(rng, x);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous(), s = cast_scale_f32(scale, x, "scale");
   auto [rows, cols] = rows_cols(xc);
@@ -156,6 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
   p.stochastic = stochastic;
   p.seed = static_cast<uint64_t>(seed);  // two's complement bits, as the emulation's masks
   p.offset = static_cast<uint64_t>(offset);
+  p.rng = rng_words;
   fp8ops::launch_quantize(p, stream_of(xc));
   return {data, data_t, amax};
 }
@@ -408,17 +422,10 @@ at::Tensor column_sums(const at::Tensor& xc, std::optional<at::ScalarType> sum_d
 }
 
 // The cast itself with the scale on the device; amax_out receives max |x|.
-std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
-                                            bool transpose, bool stochastic, int64_t seed, int64_t offset,
-                                            const at::Tensor& amax_out) {
+void launch_cast(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype, bool transpose,
+                 bool stochastic, int64_t seed, int64_t offset, const int64_t* rng_words, const at::Tensor& data,
+                 const at::Tensor& data_t, const at::Tensor& amax_out) {
   auto [rows, cols] = rows_cols(xc);
-  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
-  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
-  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
-  if (xc.numel() == 0) {
-    amax_out.zero_();
-    return {data, data_t};
-  }
   fp8ops::QuantizeParams p{};
   p.x = xc.data_ptr();
   p.x_dtype = to_dtype(xc.scalar_type());
@@ -432,7 +439,25 @@ std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tens
   p.stochastic = stochastic;
   p.seed = static_cast<uint64_t>(seed);
   p.offset = static_cast<uint64_t>(offset);
+  p.rng = rng_words;
   fp8ops::launch_quantize(p, stream_of(xc));
+}
+
+// A stochastic cast with an rng buffer advances its offset by one after reading it.
+std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
+                                            bool transpose, bool stochastic, int64_t seed, int64_t offset,
+                                            const std::optional<at::Tensor>& rng, const at::Tensor& amax_out) {
+  const int64_t* rng_words = rng_ptr(rng, xc);
+  auto [rows, cols] = rows_cols(xc);
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
+  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
+  if (xc.numel() == 0) {
+    amax_out.zero_();
+  } else {
+    launch_cast(xc, scale, dtype, transpose, stochastic, seed, offset, rng_words, data, data_t, amax_out);
+  }
+  if (stochastic && rng) rng->narrow(0, 1, 1).add_(1);
   return {data, data_t};
 }
 
@@ -458,7 +483,7 @@ at::Tensor amax_into(const at::Tensor& xc, const at::Tensor& out) {
 
 FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, double margin, bool power_of_two,
                                 bool transpose, std::optional<at::ScalarType> sum_dtype, bool stochastic, int64_t seed,
-                                int64_t offset) {
+                                int64_t offset, const std::optional<at::Tensor>& rng) {
   check_input(x, "x");
   check_fp8_dtype(dtype, "dtype");
   c10::cuda::CUDAGuard guard(x.device());
@@ -467,7 +492,7 @@ FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, doubl
   at::Tensor amax = at::empty({}, f32), scale = at::empty({}, f32), scale_inv = at::empty({}, f32);
   amax_into(xc, amax);
   cast_scale(amax.data_ptr<float>(), nullptr, dtype, margin, power_of_two, scale, scale_inv, stream_of(xc));
-  auto [data, data_t] = cast_with(xc, scale, dtype, transpose, stochastic, seed, offset, amax);
+  auto [data, data_t] = cast_with(xc, scale, dtype, transpose, stochastic, seed, offset, rng, amax);
   return {data, data_t, scale, scale_inv, column_sums(xc, sum_dtype)};
 }
 
@@ -477,7 +502,7 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
                                 double margin, int64_t interval, c10::string_view algo, double ema_alpha,
                                 double percentile, bool power_of_two, bool update, bool warm, bool record,
                                 bool transpose, std::optional<at::ScalarType> sum_dtype, bool stochastic, int64_t seed,
-                                int64_t offset) {
+                                int64_t offset, const std::optional<at::Tensor>& rng) {
   const char* op = "quantize_delayed";
   check_input(x, "x");
   check_fp8_dtype(dtype, "dtype");
@@ -522,7 +547,7 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
   if (warm) amax_into(xc, amax);
   cast_scale(warm ? amax.data_ptr<float>() : nullptr, scale.data_ptr<float>(), dtype, margin, power_of_two, used,
              used_inv, stream);
-  auto [data, data_t] = cast_with(xc, used, dtype, transpose, stochastic, seed, offset, amax);
+  auto [data, data_t] = cast_with(xc, used, dtype, transpose, stochastic, seed, offset, rng, amax);
   if (record) {
     fp8ops::launch_record_amax({amax.data_ptr<float>(), pending_amax.data_ptr<float>(),
                                 nonfinite_count.data_ptr<int64_t>()},

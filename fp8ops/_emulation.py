@@ -177,8 +177,11 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
-             stochastic: bool = False, seed: int = 0, offset: int = 0):
+             stochastic: bool = False, seed: int = 0, offset: int = 0,
+             rng: Optional[torch.Tensor] = None):
     fmt = get_format(dtype)
+    if rng is not None:
+        seed, offset = rng_words(rng)
     s = _f32(scale)
     if s.dim():
         s = s.reshape(())  # a [1] scale must not broadcast a 0-d x
@@ -204,6 +207,15 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     else:
         data_t = data.new_empty((0,))
     return data, data_t, x_amax
+
+
+def rng_words(rng: torch.Tensor):
+    """(seed, offset) of a random-stream tensor (int64 [seed, offset]), read on the host."""
+    if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
+        raise ValueError(f"fp8ops: rng must be an int64 tensor [seed, offset], got {rng.dtype} "
+                         f"of shape {tuple(rng.shape)}")
+    seed, offset = rng.tolist()
+    return seed, offset
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

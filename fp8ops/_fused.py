@@ -33,14 +33,24 @@ def column_sums(x: torch.Tensor, sum_dtype: Optional[torch.dtype]) -> torch.Tens
 
 def quantize_current(x: torch.Tensor, dtype: torch.dtype, margin: float, power_of_two: bool,
                      transpose: bool = False, sum_dtype: Optional[torch.dtype] = None,
-                     stochastic: bool = False, seed: int = 0, offset: int = 0):
+                     stochastic: bool = False, seed: int = 0, offset: int = 0,
+                     rng: Optional[torch.Tensor] = None):
     """Current scaling: scale = max / (amax(x) * margin) (1.0 for an amax of 0 or not finite),
     then the cast."""
     amax = _ops.amax(x)
     scale = scale_from_amax(amax, torch.ones_like(amax), get_format(dtype).max, margin,
                             power_of_two)
-    data, data_t, _ = _ops.quantize(x, scale, dtype, transpose, stochastic, seed, offset)
+    data, data_t = cast(x, scale, dtype, transpose, stochastic, seed, offset, rng)[:2]
     return data, data_t, scale, torch.reciprocal(scale), column_sums(x, sum_dtype)
+
+
+def cast(x, scale, dtype, transpose, stochastic, seed, offset, rng):
+    """ops.quantize; a stochastic cast that read its random stream from rng advances its
+    offset by one."""
+    out = _ops.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng)
+    if stochastic and rng is not None:
+        rng[1:].add_(1)
+    return out
 
 
 def quantize_delayed(x: torch.Tensor, amax_history: torch.Tensor, scale: torch.Tensor,
@@ -49,7 +59,8 @@ def quantize_delayed(x: torch.Tensor, amax_history: torch.Tensor, scale: torch.T
                      margin: float, interval: int, algo: str, ema_alpha: float, percentile: float,
                      power_of_two: bool, update: bool, warm: bool, record: bool,
                      transpose: bool = False, sum_dtype: Optional[torch.dtype] = None,
-                     stochastic: bool = False, seed: int = 0, offset: int = 0):
+                     stochastic: bool = False, seed: int = 0, offset: int = 0,
+                     rng: Optional[torch.Tensor] = None):
     """A cast of one delayed-scaling role (the buffers of scaling.RoleState, changed in place):
     update: first one step of the state machine (step += 1, then ops.delayed_scale_update);
     warm: cast with x's own amax as current scaling would (nothing recorded yet), else with the
@@ -67,7 +78,7 @@ def quantize_delayed(x: torch.Tensor, amax_history: torch.Tensor, scale: torch.T
         used = scale_from_amax(amax, torch.ones_like(amax), fp8_max, margin, power_of_two)
     else:
         used = scale.clone()  # a copy: the buffer changes before backward uses it
-    data, data_t, x_amax = _ops.quantize(x, used, dtype, transpose, stochastic, seed, offset)
+    data, data_t, x_amax = cast(x, used, dtype, transpose, stochastic, seed, offset, rng)
     if record:
         record_amax(pending_amax, nonfinite_count, x_amax, torch.isfinite(x_amax))
     return data, data_t, used, torch.reciprocal(used), column_sums(x, sum_dtype)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import cast_stats
+from . import _fused, cast_stats
 from .scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
 
 _ops = torch.ops.fp8ops
@@ -84,38 +84,36 @@ def _fusable(role, recipe, shards) -> bool:
 
 @torch.no_grad()
 def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False,
-                    warm: bool = False, record: bool = False, sum_dtype=None,
-                    stochastic: bool = False, seed: int = 0, offset: int = 0, shards=None):
+                    warm: bool = False, record: bool = False, sum_dtype=None, rng=None,
+                    shards=None):
     """One per-tensor cast with its transposed copy: (data, data_t, scale, scale_inv, column
     sums of x or None). role: the delayed-scaling RoleState (None: current scaling), stepped
     first when `update`, cast with x's own amax when `warm`, x's amax recorded when `record`.
-    sum_dtype: also the sums over x's rows in that dtype (a bias gradient). One op call when
-    nothing crosses processes (ops.quantize_current / quantize_delayed), else the unfused ops."""
+    sum_dtype: also the sums over x's rows in that dtype (a bias gradient). rng: round
+    stochastically with this random stream (ScalingState.rng), advanced on the device. One op
+    call when nothing crosses processes (ops.quantize_current / quantize_delayed), else the
+    unfused ops."""
+    stochastic = rng is not None
     if _fusable(role, recipe, shards):
         if role is None:
             outs = _ops.quantize_current(x, fmt.dtype, margin, recipe.power_of_two, True,
-                                         sum_dtype, stochastic, seed, offset)
+                                         sum_dtype, stochastic, 0, 0, rng)
         else:
             outs = _ops.quantize_delayed(
                 x, role.amax_history, role.scale, role.scale_inv, role.amax_rep,
                 role.pending_amax, role.step, role.nonfinite_count, fmt.dtype, margin,
                 recipe.interval, recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile,
-                recipe.power_of_two, update, warm, record, True, sum_dtype, stochastic, seed,
-                offset)
+                recipe.power_of_two, update, warm, record, True, sum_dtype, stochastic, 0, 0,
+                rng)
         data, data_t, scale, scale_inv, sums = outs
         return data, data_t, scale, scale_inv, None if sum_dtype is None else sums
     scale = _scale_before_cast(role, x, fmt, recipe, update, margin, warm, shards)
-    data, data_t, amax = _ops.quantize(x, scale, fmt.dtype, True, stochastic, seed, offset)
+    data, data_t, amax = _fused.cast(x, scale, fmt.dtype, True, stochastic, 0, 0, rng)
     if record:
         role.record(amax, recipe.process_group)
     sums = None if sum_dtype is None else x.sum(0, dtype=_F32).to(sum_dtype)
     return data, data_t, scale, torch.reciprocal(scale), sums
 
-
-_NO_CAPTURED_RNG = (
-    "fp8ops: grad_rounding='stochastic' cannot be captured in a CUDA graph yet: its random seed "
-    "and offset are host integers, so every replay would round with the same random numbers. "
-    "Capture with grad_rounding='nearest', or run the stochastic step eagerly")
 
 _NO_DOUBLE_BACKWARD = (
     "fp8ops.linear / FP8Linear does not support double backward (create_graph=True through an "
@@ -195,16 +193,14 @@ class PerTensorLinear(torch.autograd.Function):
         delayed = state is not None and state.delayed
         if state is not None:
             state.follow_stream(dy2.device)
-        stochastic = recipe.grad_rounding == "stochastic"
-        if stochastic and dy2.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(_NO_CAPTURED_RNG)
-        seed, offset = state.next_rng() if stochastic else (0, 0)
+        # stochastic rounding reads its random stream from the state's device buffer
+        rng = state.rng if recipe.grad_rounding == "stochastic" else None
         stepping = delayed and state.recording
         sum_dtype = bias.dtype if bias is not None and ctx.needs_input_grad[2] else None
         gq, gq_t, g_scale, g_scale_inv, db = cast_per_tensor(
             dy2, state.grad if delayed else None, ctx.bwd, recipe, grad_margin(recipe),
-            update=stepping, warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype,
-            stochastic=stochastic, seed=seed, offset=offset, shards=_shards(state, "grad"))
+            update=stepping, warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype, rng=rng,
+            shards=_shards(state, "grad"))
         if ctx.sampled:
             cast_stats.observe(state, "grad", cast_stats.per_tensor_stats(dy2, gq, g_scale))
         dx = dw = None

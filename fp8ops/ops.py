@@ -18,8 +18,11 @@ _F32 = torch.float32
 SCHEMAS = {
     "amax": "(Tensor x) -> Tensor",
     "amax_percentile": "(Tensor x, float percentile) -> Tensor",
+    # rng: int64 [seed, offset] on x's device, read by the cast instead of seed and offset (a
+    # CUDA graph replays the values it holds then, not those of the capture)
     "quantize": "(Tensor x, Tensor scale, ScalarType dtype, bool transpose=False, "
-                "bool stochastic=False, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor)",
+                "bool stochastic=False, int seed=0, int offset=0, Tensor? rng=None) "
+                "-> (Tensor, Tensor, Tensor)",
     "dequantize": "(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",
     "quantize_mx": "(Tensor x, ScalarType dtype, int block_size, int axis, bool rceil) "
                    "-> (Tensor, Tensor)",
@@ -44,19 +47,23 @@ SCHEMAS = {
 # The casts of the training step, one call each (fp8ops/_fused.py gives their meaning in terms of
 # the ops above). The per-tensor ones carry their scale math and amax bookkeeping and return
 # (data, data_t, scale, scale_inv, column_sums): the scale the cast used and its reciprocal (new
-# tensors). Every one returns, when sum_dtype is given, the sums over the rows of x's 2-D view in
-# float32 rounded to sum_dtype (a bias gradient; else an empty float32 tensor).
+# tensors); with rng (int64 [seed, offset]) a stochastic cast reads its random stream from it and
+# advances its offset by one, on the device. Every one returns, when sum_dtype is given, the sums
+# over the rows of x's 2-D view in float32 rounded to sum_dtype (a bias gradient; else an empty
+# float32 tensor).
 FUSED_SCHEMAS = {
     "quantize_current": "(Tensor x, ScalarType dtype, float margin, bool power_of_two, "
                         "bool transpose=False, ScalarType? sum_dtype=None, bool stochastic=False, "
-                        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                        "int seed=0, int offset=0, Tensor(r!)? rng=None) "
+                        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "quantize_delayed": "(Tensor x, Tensor(a!) amax_history, Tensor(b!) scale, "
                         "Tensor(c!) scale_inv, Tensor(d!) amax_rep, Tensor(e!) pending_amax, "
                         "Tensor(f!) step, Tensor(g!) nonfinite_count, ScalarType dtype, "
                         "float margin, int interval, str algo, float ema_alpha, float percentile, "
                         "bool power_of_two, bool update, bool warm, bool record, "
                         "bool transpose=False, ScalarType? sum_dtype=None, bool stochastic=False, "
-                        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                        "int seed=0, int offset=0, Tensor(r!)? rng=None) "
+                        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     # the row-wise and column-wise block copies of a 2-D x and its column sums, in one call
     "quantize_blockwise_pair": "(Tensor x, ScalarType dtype, bool power_of_two, "
                                "ScalarType? sum_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -147,7 +154,7 @@ def _(x, percentile):
 
 
 @torch.library.register_fake("fp8ops::quantize")
-def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0):
+def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0, rng=None):
     rows, cols = _rows_cols(x)
     data_t = x.new_empty((cols, rows) if transpose else (0,), dtype=dtype)
     return x.new_empty(x.shape, dtype=dtype), data_t, _scalar_f32(x)
@@ -217,14 +224,14 @@ def _fused_outs(x, dtype, transpose, sum_dtype):
 
 @torch.library.register_fake("fp8ops::quantize_current")
 def _(x, dtype, margin, power_of_two, transpose=False, sum_dtype=None, stochastic=False, seed=0,
-      offset=0):
+      offset=0, rng=None):
     return _fused_outs(x, dtype, transpose, sum_dtype)
 
 
 @torch.library.register_fake("fp8ops::quantize_delayed")
 def _(x, amax_history, scale, scale_inv, amax_rep, pending_amax, step, nonfinite_count, dtype,
       margin, interval, algo, ema_alpha, percentile, power_of_two, update, warm, record,
-      transpose=False, sum_dtype=None, stochastic=False, seed=0, offset=0):
+      transpose=False, sum_dtype=None, stochastic=False, seed=0, offset=0, rng=None):
     return _fused_outs(x, dtype, transpose, sum_dtype)
 
 

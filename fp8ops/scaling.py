@@ -320,9 +320,10 @@ class ScalingState(nn.Module):
     as the original, mid-accumulation too.
 
     The state_dict holds tensors only (safetensors, save_pretrained), with the same two keys for
-    every recipe besides the delayed-scaling roles' buffers: `rng` (int64 [seed, offset]) and
-    `weight_cast_scale` (float32; 0 when there is no cast to reuse: a scale is never 0). Both are
-    written from the Python values when the state_dict is made, so the casts keep plain ints."""
+    every recipe besides the delayed-scaling roles' buffers: `rng` (int64 [seed, offset], on the
+    device: a stochastic cast reads it and advances the offset there, so a CUDA graph replays
+    fresh random numbers) and `weight_cast_scale` (float32; 0 when there is no cast to reuse: a
+    scale is never 0), written when the state_dict is made."""
 
     ROLES = ("input", "weight", "grad")
 
@@ -356,8 +357,9 @@ class ScalingState(nn.Module):
         # layout of transformers' Conv1D): a host master, in the parameter's layout, is read
         # transposed
         self.weight_transposed = False
-        # checkpoint copies of rng_seed/rng_offset and of the cast scale (_save_to_state_dict)
+        # the random stream of stochastic rounding, [seed, offset] (rng_seed, rng_offset)
         self.register_buffer("rng", torch.zeros(2, dtype=torch.int64, device=device))
+        # checkpoint copy of the cast scale (_save_to_state_dict)
         self.register_buffer("weight_cast_scale",
                              torch.zeros((), dtype=torch.float32, device=device))
         self.reset()
@@ -367,8 +369,8 @@ class ScalingState(nn.Module):
         for role in self.ROLES:
             if role in self._modules:
                 self._modules[role].reset()
-        self.rng_seed = int(getattr(self.recipe, "seed", 0))
-        self.rng_offset = 0
+        with torch.no_grad():
+            self.rng.copy_(torch.tensor([int(getattr(self.recipe, "seed", 0)), 0]))
         self.high_precision_calls = 0  # calls its layer's fallback ran in high precision
         # DelayedScaling: whether the last live forward's casts took a warm scale, per role
         self.warm = {"input": True, "grad": True}
@@ -397,12 +399,26 @@ class ScalingState(nn.Module):
     def delayed(self) -> bool:
         return isinstance(self.recipe, DelayedScaling)
 
-    def next_rng(self):
-        """(seed, offset) for one stochastic cast; the offset advances by one per cast (the
-        element index fills the low counter words, so streams never overlap)."""
-        offset = self.rng_offset
-        self.rng_offset += 1
-        return self.rng_seed, offset
+    @property
+    def rng_seed(self) -> int:
+        """The Philox seed of stochastic rounding (a host read of the `rng` buffer)."""
+        return int(self.rng[0])
+
+    @rng_seed.setter
+    def rng_seed(self, value: int) -> None:
+        with torch.no_grad():
+            self.rng[0] = check_int64("rng_seed", value)
+
+    @property
+    def rng_offset(self) -> int:
+        """The Philox offset of the next stochastic cast; each cast advances it by one on the
+        device (the element index fills the low counter words, so streams never overlap)."""
+        return int(self.rng[1])
+
+    @rng_offset.setter
+    def rng_offset(self, value: int) -> None:
+        with torch.no_grad():
+            self.rng[1] = check_int64("rng_offset", value)
 
     def cached_weight(self, weight: torch.Tensor, cast: weight_cache.Cast, live: bool = False,
                       recompute: bool = False):
@@ -544,9 +560,7 @@ class ScalingState(nn.Module):
         self._gathered_key = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # one host-to-device copy per save; the casts themselves only touch the Python ints
         with torch.no_grad():
-            self.rng.copy_(torch.tensor([self.rng_seed, self.rng_offset], dtype=torch.int64))
             scale = self._saved_cast_scale()
             if scale is None:  # no cast the next forward would reuse
                 self.weight_cast_scale.zero_()
@@ -560,11 +574,8 @@ class ScalingState(nn.Module):
             _upgrade_extra_state(extra, state_dict, prefix)
         self._restore_cast(None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        # read back from the checkpoint's tensors (host reads, once per load), not the buffers:
-        # a key that is absent (strict=False) or did not fit leaves the Python values as they are
-        rng = _readable(state_dict, prefix + "rng", (2,))
-        if rng is not None:
-            self.rng_seed, self.rng_offset = (int(v) for v in rng.tolist())
+        # read back from the checkpoint's tensor (a host read, once per load), not the buffer: a
+        # key that is absent (strict=False) or did not fit leaves the cast to reuse as it is
         scale = _readable(state_dict, prefix + "weight_cast_scale", ())
         if scale is not None and self.delayed and scale != 0:
             self._restore_cast(scale.to(self.weight.scale.device, torch.float32, copy=True))
@@ -588,8 +599,14 @@ class ScalingState(nn.Module):
         state.setdefault("weight_transposed", False)
         state.setdefault("_decisions", 0)
         state.setdefault("high_precision_calls", 0)
+        # older pickles kept the random stream in Python ints (and the buffer as a copy)
+        seed, offset = state.pop("rng_seed", None), state.pop("rng_offset", None)
         state.setdefault("shard_meshes", {})
         super().__setstate__(state)
+        if seed is not None:
+            if "rng" not in self._buffers:
+                self.register_buffer("rng", torch.zeros(2, dtype=torch.int64))
+            self.rng_seed, self.rng_offset = seed, offset
         entry = self._weight_cache  # valid when pickled; counted from now on (a new process too)
         self._restore_cast(None if entry is None else entry.scale)
 

@@ -48,6 +48,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     for stoch in (False, True):
         for tr in (False, True):
             q, qt, a = ops.quantize(x, s, F8, tr, stoch, 1, 2)
+            ops.quantize(x, s, F8, tr, stoch, 0, 0, torch.tensor([1, 2], device="cuda"))
             ops.quantize(x.reshape(-1)[5:], s, torch.float8_e5m2, tr, stoch, 1, 2)
     ops.dequantize(q, s, dt)
     ops.dequantize(q.reshape(-1)[3:], s, dt)

@@ -260,3 +260,59 @@ def test_opcheck_pairs(name, args):
     torch.library.opcheck(getattr(OPS, name).default, args,
                           test_utils=["test_schema", "test_autograd_registration",
                                       "test_faketensor", "test_aot_dispatch_dynamic"])
+
+
+@pytest.mark.parametrize("op", ["quantize_current", "quantize_delayed"])
+def test_stochastic_cast_reads_and_advances_the_rng_buffer(op):
+    """With rng, a stochastic cast rounds with the stream [seed, offset] it holds (the bytes of
+    the same cast given seed and offset as ints) and advances the offset by one; a nearest cast
+    leaves it alone."""
+    x = INPUTS["random"] * 7.3  # values between FP8 neighbours: the rounding shows
+
+    def run(stochastic, seed, offset, rng):
+        if op == "quantize_current":
+            return OPS.quantize_current(x, E5, 1.0, False, True, None, stochastic, seed, offset,
+                                        rng)
+        role = _role(2)
+        return OPS.quantize_delayed(x, role.amax_history, role.scale, role.scale_inv,
+                                    role.amax_rep, role.pending_amax, role.step,
+                                    role.nonfinite_count, E5, 1.0, 1, "max", 0.1, 99.0, False,
+                                    True, False, True, True, None, stochastic, seed, offset, rng)
+
+    rng = torch.tensor([-5, 2 ** 33 + 3])
+    got = run(True, 0, 0, rng)
+    assert rng.tolist() == [-5, 2 ** 33 + 4]
+    ref = run(True, -5, 2 ** 33 + 3, None)
+    for k in range(4):
+        _equal(got[k], ref[k], k)
+    assert not torch.equal(got[0].view(torch.uint8), run(True, -5, 2 ** 33 + 4, None)[0]
+                           .view(torch.uint8))  # the next offset is another stream
+    run(False, 0, 0, rng)
+    assert rng.tolist() == [-5, 2 ** 33 + 4]
+
+
+def test_quantize_takes_its_random_stream_from_rng():
+    x = INPUTS["random"] * 7.3
+    s = torch.tensor(3.0)
+    rng = torch.tensor([11, 4])
+    a = OPS.quantize(x, s, E4, True, True, 0, 0, rng)
+    b = OPS.quantize(x, s, E4, True, True, 11, 4)
+    for k in range(3):
+        _equal(a[k], b[k], k)
+    assert rng.tolist() == [11, 4]  # quantize itself only reads it
+    with pytest.raises(ValueError, match="int64 tensor"):
+        OPS.quantize(x, s, E4, True, True, 0, 0, torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("name, args", [
+    ("quantize", (torch.randn(6, 64), torch.tensor(2.0), E5, True, True, 0, 0,
+                  torch.tensor([3, 9]))),
+    ("quantize_current", (torch.randn(6, 64), E5, 1.0, False, True, None, True, 0, 0,
+                          torch.tensor([3, 9]))),
+    ("quantize_delayed", _delayed_args(torch.randn(6, 64), stochastic=True)[:-2]
+     + (0, 0, torch.tensor([3, 9]))),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck_with_rng(name, args):
+    tests = ["test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic"]
+    torch.library.opcheck(getattr(OPS, name).default, args, test_utils=tests)

@@ -136,3 +136,19 @@ def test_fused_casts_replay_in_a_cuda_graph():
                 _equal(a, b, (i, k))
         for buf in BUFFERS:
             _equal(graphed[buf], eager[buf], (i, buf))
+
+
+def test_the_random_stream_from_a_device_buffer_is_the_one_given_as_ints():
+    x = _inputs()["random"] * 7.3
+    s = torch.tensor(3.0, device="cuda")
+    rng = torch.tensor([-9, 2 ** 40 + 1], device="cuda")
+    for tr in (False, True):
+        a = OPS.quantize(x, s, E5, tr, True, 0, 0, rng)
+        b = OPS.quantize(x, s, E5, tr, True, -9, 2 ** 40 + 1)
+        for k, (u, v) in enumerate(zip(a, b)):
+            _equal(u, v, (tr, k))
+    got = OPS.quantize_current(x, E5, 1.0, False, True, None, True, 0, 0, rng)
+    ref = _fused.quantize_current(x, E5, 1.0, False, True, None, True, -9, 2 ** 40 + 1)
+    for k in range(4):
+        _equal(got[k], ref[k], k)
+    assert rng.tolist() == [-9, 2 ** 40 + 2]

@@ -149,17 +149,38 @@ def test_cuda_graph_replay_after_an_optimizer_step_reads_the_new_weight(name):
         eager_opt.step()
 
 
-def test_stochastic_rounding_refuses_cuda_graph_capture():
-    layer = fp8ops.FP8Linear(256, 256, recipe=RECIPES["current_sr"], device="cuda")
-    x = torch.randn(64, 256, device="cuda")
+@pytest.mark.parametrize("name", ["current_sr", "delayed_sr"])
+def test_stochastic_rounding_replays_fresh_random_numbers_in_a_cuda_graph(name):
+    """The random stream is read from the state's device buffer and advanced there: every
+    replay of a captured stochastic step rounds as the eager step with the same offset does,
+    and consecutive replays differ."""
+    recipe = {"current_sr": fp8ops.CurrentScaling(grad_rounding="stochastic", seed=5),
+              "delayed_sr": fp8ops.DelayedScaling(grad_rounding="stochastic", seed=5)}[name]
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(256, 384, recipe=recipe, device="cuda")
+    eager = copy.deepcopy(layer)
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 384, device="cuda") * 7.3  # between FP8 neighbours: rounding shows
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(x).sum().backward()
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graphs requires
+        layer(x).backward(dy)
+        eager(x).backward(dy)
     torch.cuda.current_stream().wait_stream(side)
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            layer(x).sum().backward()
+    layer.zero_grad()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x).backward(dy)
+    grads = []
+    for step in range(3):
+        graph.replay()
+        eager.zero_grad()
+        eager(x).backward(dy)
+        torch.cuda.synchronize()
+        assert torch.equal(layer.weight.grad, eager.weight.grad), (name, step)
+        assert layer.fp8_state.rng_offset == eager.fp8_state.rng_offset
+        grads.append(layer.weight.grad.clone())
+    assert not torch.equal(grads[0], grads[1])
 
 
 @pytest.mark.parametrize("name", ["current", "delayed", "blockwise"])

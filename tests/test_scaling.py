@@ -153,14 +153,29 @@ def test_scaling_state_state_dict_roundtrip():
     for v in (1.0, 4.0, 2.0):
         st.input.record(torch.tensor(v))
         st.input.update(recipe, "e4m3")
-    st.next_rng()
+    st.rng_offset += 1  # as one stochastic cast advances it
     sd = st.state_dict()
     fresh = fp8ops.ScalingState(recipe)
     fresh.load_state_dict(sd)
     for (k, a), (k2, b) in zip(st.state_dict().items(), fresh.state_dict().items()):
         assert k == k2
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), k
-    assert fresh.next_rng() == (7, 1)
+    assert (fresh.rng_seed, fresh.rng_offset) == (7, 1)
+
+
+def test_the_random_stream_lives_in_the_rng_buffer():
+    """seed and offset are the `rng` buffer itself (a stochastic cast advances it on the
+    device); the Python names read and write it, and refuse what an int64 cannot hold."""
+    st = fp8ops.ScalingState(fp8ops.CurrentScaling(grad_rounding="stochastic", seed=-3))
+    assert st.rng.tolist() == [-3, 0] and (st.rng_seed, st.rng_offset) == (-3, 0)
+    st.rng_offset = 2 ** 40
+    assert st.rng.tolist() == [-3, 2 ** 40]
+    with pytest.raises(ValueError, match="int64"):
+        st.rng_offset = 2 ** 63
+    with pytest.raises(TypeError, match="rng_seed"):
+        st.rng_seed = 1.5
+    st.reset()
+    assert st.rng.tolist() == [-3, 0]
 
 
 def _pair(seed=0):
@@ -197,3 +212,15 @@ def test_delayed_scaling_first_training_step_is_current_scaling():
         assert torch.equal(a, b)
     assert (outs[0][1] != 0).float().mean() > 0.99  # the input gradient was not flushed
     assert delayed.fp8_state.input.started and delayed.fp8_state.grad.started
+
+
+def test_an_older_pickle_with_python_rng_ints_loads_into_the_buffer():
+    """States pickled when seed and offset were Python attributes (the buffer a copy made at
+    save) unpickle with those values in the buffer."""
+    st = fp8ops.ScalingState(fp8ops.CurrentScaling(grad_rounding="stochastic", seed=5))
+    old = dict(st.__getstate__())
+    old["_buffers"] = {k: v for k, v in old["_buffers"].items() if k != "rng"}
+    old["rng_seed"], old["rng_offset"] = 5, 9
+    new = fp8ops.ScalingState.__new__(fp8ops.ScalingState)
+    new.__setstate__(old)
+    assert new.rng.tolist() == [5, 9] and "rng" in new.state_dict()
