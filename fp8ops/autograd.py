@@ -71,30 +71,40 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
     return current_scale(amax, fmt, margin, recipe.power_of_two)
 
 
-def _fusable(role, recipe, shards) -> bool:
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _fusable(role, recipe, shards, warm: bool) -> bool:
     """Whether a cast's scale math and amax bookkeeping can run inside its op: not when an amax
-    must cross processes first (a sharded tensor; a delayed-scaling role under torch.distributed
-    all-reduces what it records) or is a percentile."""
+    must cross processes first (a sharded tensor, a warm start under torch.distributed) or is a
+    percentile. (Under torch.distributed a delayed-scaling role records on its rank and the
+    layer's records are reduced once per step: ScalingState.reduce_records.)"""
     if shards is not None:
         return False
     if role is None:
         return getattr(recipe, "amax_percentile", None) is None
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    return role.shard_mesh is None and not (warm and _distributed())
 
 
 @torch.no_grad()
 def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False,
                     warm: bool = False, record: bool = False, sum_dtype=None, rng=None,
-                    shards=None):
+                    shards=None, state: Optional[ScalingState] = None, name: str = ""):
     """One per-tensor cast with its transposed copy: (data, data_t, scale, scale_inv, column
     sums of x or None). role: the delayed-scaling RoleState (None: current scaling), stepped
     first when `update`, cast with x's own amax when `warm`, x's amax recorded when `record`.
     sum_dtype: also the sums over x's rows in that dtype (a bias gradient). rng: round
     stochastically with this random stream (ScalingState.rng), advanced on the device. One op
     call when nothing crosses processes (ops.quantize_current / quantize_delayed), else the
-    unfused ops."""
+    unfused ops. state, name: the ScalingState and the role's name in it (delayed scaling)."""
     stochastic = rng is not None
-    if _fusable(role, recipe, shards):
+    if _fusable(role, recipe, shards, warm):
+        if role is not None and _distributed():
+            if update and state.needs_reduce(name):  # its scale must see every rank's records
+                state.reduce_records()
+            if record:
+                state.record_locally(name)
         if role is None:
             outs = _ops.quantize_current(x, fmt.dtype, margin, recipe.power_of_two, True,
                                          sum_dtype, stochastic, 0, 0, rng)
@@ -200,7 +210,9 @@ class PerTensorLinear(torch.autograd.Function):
         gq, gq_t, g_scale, g_scale_inv, db = cast_per_tensor(
             dy2, state.grad if delayed else None, ctx.bwd, recipe, grad_margin(recipe),
             update=stepping, warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype, rng=rng,
-            shards=_shards(state, "grad"))
+            shards=_shards(state, "grad"), state=state, name="grad")
+        if stepping and state.needs_reduce():  # the layer's one all-reduce of the step
+            state.reduce_records()
         if ctx.sampled:
             cast_stats.observe(state, "grad", cast_stats.per_tensor_stats(dy2, gq, g_scale))
         dx = dw = None
@@ -248,7 +260,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
         role = state.weight if delayed else None
         data, data_t, scale, scale_inv, _ = cast_per_tensor(
             w, role, fwd, recipe, recipe.margin, update=step, warm=delayed and not role.started,
-            record=step, shards=_shards(state, "weight"))
+            record=step, shards=_shards(state, "weight"), state=state, name="weight")
         if step:
             role.started = True
         return (data, data_t, scale_inv, scale), scale
@@ -262,7 +274,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
         warm = delayed and _warm(state, "input", live)
         xq, xq_t, x_scale, x_scale_inv, _ = cast_per_tensor(
             x2, state.input if delayed else None, fwd, recipe, recipe.margin, update=live,
-            warm=warm, record=live, shards=_shards(state, "input"))
+            warm=warm, record=live, shards=_shards(state, "input"), state=state, name="input")
     else:
         xq, xq_t, _, x_scale = x_cast
         x_scale_inv = torch.reciprocal(x_scale)

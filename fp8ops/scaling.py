@@ -6,11 +6,14 @@ Delayed scaling, per scaled tensor ("role": input, weight, grad):
             scale = max / (amax * margin). One op, no host sync (ops.delayed_scale_update).
   record()  after the cast: pending = max(pending, amax of the cast input); a non-finite amax is
             counted in `nonfinite_count` and never enters the history.
-Under torch.distributed, record() all-reduces the amax (MAX) over the recipe's process group
-before folding it in, so every buffer is identical on every rank at all times: DDP's buffer
-broadcast and a checkpoint written by rank 0 lose nothing. A tensor sharded by tensor parallelism
-(ScalingState.shard_over) has its amax all-reduced over the shards too, for every recipe, so that
-each shard is cast with the scale of the whole tensor.
+Under torch.distributed the casts of a training step record their amaxes locally, and one MAX
+all-reduce over the recipe's process group per layer and step (ScalingState.reduce_records, at
+the end of the layer's backward) folds every rank's in, so every buffer is identical on every
+rank between steps: DDP's buffer broadcast and a checkpoint written by rank 0 lose nothing. A role
+that steps with records of its own not yet reduced reduces first. record() itself, used where a
+cast cannot record locally (a warm start, tensor parallelism), all-reduces at once. A tensor
+sharded by tensor parallelism (ScalingState.shard_over) has its amax all-reduced over the shards
+too, for every recipe, so that each shard is cast with the scale of the whole tensor.
 """
 from __future__ import annotations
 
@@ -349,6 +352,9 @@ class ScalingState(nn.Module):
         self._gathered_key = None
         self._gathered_amax = None  # (weight key, amax, finite) all-reduced for the next decision
         self._decisions = 0  # FP8 all-gather scales decided so far (numbers them)
+        # under torch.distributed: the roles with amaxes recorded on this rank only, since the
+        # last reduce_records()
+        self._unreduced = set()
         # role -> the 1-D DeviceMesh its tensor is sharded over (tensor parallelism; shard_over)
         self.shard_meshes = {}
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
@@ -376,6 +382,7 @@ class ScalingState(nn.Module):
         self.warm = {"input": True, "grad": True}
         self._weight_cache = None  # a weight_cache.CachedCast
         self._generation.value += 1  # nothing cast before the reset may be reused
+        self._unreduced = set()
 
     def shard_over(self, role: str, mesh) -> None:
         """The tensor of `role` ("input", "weight" or "grad") is sharded over the 1-D DeviceMesh
@@ -390,6 +397,30 @@ class ScalingState(nn.Module):
         self.shard_meshes[role] = mesh
         if self.delayed:
             getattr(self, role).shard_mesh = mesh
+
+    def record_locally(self, role: str) -> None:
+        """A cast of `role` recorded its amax on this rank only (reduce_records folds the others
+        in)."""
+        self._unreduced.add(role)
+
+    def needs_reduce(self, role: Optional[str] = None) -> bool:
+        """Whether `role` (any role: None) holds records not yet reduced over the ranks."""
+        return bool(self._unreduced) if role is None else role in self._unreduced
+
+    @torch.no_grad()
+    def reduce_records(self) -> None:
+        """One MAX all-reduce, over the recipe's process group, of every role's pending amax and
+        non-finite count: each rank's records folded into all. Between reductions a role's
+        records on one rank can only raise these, from values that were equal on every rank, so
+        the MAX is the pending amax of all ranks' finite amaxes, and the count grows by the most
+        non-finite casts any rank saw (by one per step: any rank's)."""
+        roles = [getattr(self, r) for r in self.ROLES]
+        bufs = [r.pending_amax for r in roles] + [r.nonfinite_count for r in roles]
+        packed = torch.stack([b.double() for b in bufs])  # exact: float32 values, counts < 2^53
+        torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX,
+                                     group=self.recipe.process_group)
+        torch._foreach_copy_(bufs, list(packed.unbind()))
+        self._unreduced = set()
 
     @property
     def weight_generation(self) -> int:
@@ -573,6 +604,7 @@ class ScalingState(nn.Module):
         if extra is not None:  # a checkpoint from before the state was kept in tensors
             _upgrade_extra_state(extra, state_dict, prefix)
         self._restore_cast(None)
+        self._unreduced = set()  # the checkpoint's buffers replace the local records
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # read back from the checkpoint's tensor (a host read, once per load), not the buffer: a
         # key that is absent (strict=False) or did not fit leaves the cast to reuse as it is
@@ -588,6 +620,7 @@ class ScalingState(nn.Module):
                                                        self.weight_generation)
         state["_hooked"] = state["source"] = state["_stream"] = state["_watched"] = None
         state["_gathered_key"] = state["_gathered_amax"] = None
+        state["_unreduced"] = set()  # (a copy outside the process group reduces nothing)
         return state
 
     def __setstate__(self, state):
@@ -602,6 +635,7 @@ class ScalingState(nn.Module):
         # older pickles kept the random stream in Python ints (and the buffer as a copy)
         seed, offset = state.pop("rng_seed", None), state.pop("rng_offset", None)
         state.setdefault("shard_meshes", {})
+        state.setdefault("_unreduced", set())
         super().__setstate__(state)
         if seed is not None:
             if "rng" not in self._buffers:

@@ -4,9 +4,9 @@ write their results to files; the assertions run here, in the pytest process.
 
 The model is Linear(32, 64) -> GELU -> Linear(64, 16), both FP8Linear with DelayedScaling. Rank r
 scales its inputs by (1 + 3r), so the ranks see different amax and only the all-reduce (MAX) of
-each recorded amax in RoleState.record can make their scales agree. DDP runs with its defaults
-(buffers broadcast from rank 0 before every forward): that is harmless only because every
-fp8 buffer is identical on every rank at all times."""
+the recorded amaxes (ScalingState.reduce_records, once per layer and step) can make their scales
+agree. DDP runs with its defaults (buffers broadcast from rank 0 before every forward): that is
+harmless only because every fp8 buffer is identical on every rank between steps."""
 from __future__ import annotations
 
 import os
@@ -191,6 +191,48 @@ def _fsdp_single_worker(rank, out_dir):
     return {"stale": stale, "warnings": [str(w.message) for w in caught]}
 
 
+def _reduce_once_worker(rank, out_dir):
+    """DelayedScaling layers trained with ranks on different data (no DDP): the all-reduces
+    fp8ops makes per step, the states after each, and two edge cases: a training-mode forward
+    with no backward before the next step, and a NaN on one rank only."""
+    model = make_model()
+    opt = make_opt(model)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting  # fp8ops calls torch.distributed.all_reduce
+    res = {"counts": [], "states": []}
+    try:
+        for s in range(4):
+            before = len(calls)
+            x, y = local_batch(s, rank)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            res["counts"].append(len(calls) - before)
+            res["states"].append(fp8_states(model))
+        x, _ = local_batch(10, rank)
+        with torch.no_grad():
+            model(x)  # records the input amax; no backward reduces it
+        res["no_backward_amax"] = x.abs().max().item()
+        x, y = local_batch(11, rank)
+        F.mse_loss(model(x * 0.01), y).backward()  # its input update must see both ranks'
+        opt.zero_grad()
+        res["after_no_backward"] = fp8_states(model)
+        x, y = local_batch(12, rank)
+        if rank == 1:
+            x[0, 0] = float("nan")
+        F.mse_loss(model(x), y).backward()
+        res["after_nan"] = fp8_states(model)
+    finally:
+        dist.all_reduce = real
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +270,24 @@ def test_ddp_scaling_state_identical_across_ranks(ddp):
     assert int(r0["state"]["0.fp8_state.input.step"]) == STEPS
     for role in ("input", "weight", "grad"):
         assert r0["state"][f"2.fp8_state.{role}.amax_history"][:STEPS - 1].min() > 0, role
+
+
+def test_one_amax_all_reduce_per_layer_and_step():
+    """The casts record on their rank; one all-reduce per layer per step (after the warm start,
+    whose casts all-reduce their own amax) folds the ranks' records in, and every buffer agrees
+    across ranks after each step; a forward with no backward is reduced before its role steps
+    again, and a NaN on one rank is counted on both."""
+    r0, r1 = spawn(_reduce_once_worker)
+    assert r0["counts"][1:] == [2, 2, 2] == r1["counts"][1:], r0["counts"]  # two layers
+    assert r0["counts"][0] > 2  # the warm start
+    for a, b in zip(r0["states"], r1["states"]):
+        _assert_same_state([a, b])
+    _assert_same_state([r0["after_no_backward"], r1["after_no_backward"]])
+    slot0 = r0["after_no_backward"]["0.fp8_state.input.amax_history"][0].item()
+    assert slot0 == max(r0["no_backward_amax"], r1["no_backward_amax"])
+    _assert_same_state([r0["after_nan"], r1["after_nan"]])
+    key = "0.fp8_state.input.nonfinite_count"
+    assert int(r0["after_nan"][key]) == int(r0["after_no_backward"][key]) + 1
 
 
 # Tolerance for DP vs single-process losses. Both runs cast bit-identical FP8 operands at first:

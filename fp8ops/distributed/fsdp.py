@@ -298,6 +298,8 @@ def _window_scale(layer, values: torch.Tensor):
     else:
         amax, finite = _global_amax(layer, key, values.dtype, values.device)
         if role is not None and live:
+            if state.needs_reduce("weight"):  # a local record (a recast) must count first
+                state.reduce_records()
             role.update(recipe, fwd, recipe.margin)
         if role is not None and role.started:
             scale = role.scale.clone()
