@@ -38,6 +38,18 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t
   FP8OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// The same with `smem` bytes of dynamic shared memory (the kernel's attribute must allow them).
+template <typename... KArgs, typename... Args>
+void launch_kernel_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                        Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  FP8OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // ---- IEEE float32 arithmetic and bit casts, callable from host and device -----------------------
 // The scalar helpers below are __host__ __device__ so tests/csrc/host_check.cu can check them
 // against fp8ops/_emulation.py without a GPU. On the device these are the round-to-nearest

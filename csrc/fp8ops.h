@@ -94,6 +94,42 @@ struct QuantizeBlockwiseParams {
 };
 void launch_quantize_blockwise(const QuantizeBlockwiseParams& p, cudaStream_t stream);
 
+// Blockwise 1x128 casts of x [rows, cols] and of its transpose, from one read of x (blockwise_pair.cu):
+// data [rows, cols] with scale_inv [rows, ceil(cols / 128)] (the blocks run along the rows), and
+// data_t [cols, rows] with scale_inv_t [cols, ceil(rows / 128)] (x^T's rows: x's columns); the
+// bytes of launch_quantize_blockwise (1x128) on x and on a contiguous x^T.
+struct QuantizeBlockwisePairParams {
+  const void* x;
+  DType x_dtype;
+  int64_t rows, cols;
+  DType out_dtype;
+  bool power_of_two;
+  uint8_t* data;
+  float* scale_inv;
+  uint8_t* data_t;
+  float* scale_inv_t;
+};
+void launch_quantize_blockwise_pair(const QuantizeBlockwisePairParams& p, cudaStream_t stream);
+// Its launch: one block per 128x128 tile, the tile in shared memory (rows padded to 16 bytes) and
+// the transposed bytes staged (rows of an odd number of words: no bank conflicts).
+constexpr int kBlockwisePairTile = 128;
+constexpr int kBlockwisePairStageLd = kBlockwisePairTile + 4;
+__host__ __device__ constexpr int blockwise_pair_row_elems(size_t elem_bytes) {
+  return kBlockwisePairTile + int(16 / elem_bytes);
+}
+struct BlockwisePairPlan {
+  int64_t tiles_r, tiles_c;  // grid = tiles_r * tiles_c
+  size_t smem_bytes;         // dynamic shared memory per block
+};
+inline BlockwisePairPlan plan_blockwise_pair(int64_t rows, int64_t cols, int elem_bytes) {
+  BlockwisePairPlan plan{};
+  plan.tiles_r = (rows + kBlockwisePairTile - 1) / kBlockwisePairTile;
+  plan.tiles_c = (cols + kBlockwisePairTile - 1) / kBlockwisePairTile;
+  plan.smem_bytes = size_t(kBlockwisePairTile) * blockwise_pair_row_elems(elem_bytes) * elem_bytes +
+                    size_t(kBlockwisePairTile) * kBlockwisePairStageLd;
+  return plan;
+}
+
 struct DequantizeBlockwiseParams {
   const uint8_t* data;
   DType data_dtype;

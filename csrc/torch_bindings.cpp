@@ -556,7 +556,7 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
   return {data, data_t, used, used_inv, column_sums(xc, sum_dtype)};
 }
 // ---- fused block casts: the row-wise copy, the column-wise copy for the backward GEMMs and the
-// column sums of a 2-D x in one call (two quantizer launches today; one tiled kernel is the aim)
+// column sums of a 2-D x in one call (blockwise: one tiled kernel; MXFP8: two quantizer launches)
 void check_matrix(const at::Tensor& x, const char* op) {
   FP8OPS_CHECK(x.dim() == 2, "fp8ops: ", op, ": x must be 2-D [rows, cols], got shape ", shape_str(x));
 }
@@ -565,10 +565,31 @@ FusedCast quantize_blockwise_pair_cuda(const at::Tensor& x, at::ScalarType dtype
                                        std::optional<at::ScalarType> sum_dtype) {
   check_input(x, "x");
   check_matrix(x, "quantize_blockwise_pair");
+  check_fp8_dtype(dtype, "dtype");
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous();
-  auto [data, scale_inv] = quantize_blockwise_cuda(xc, dtype, 1, 128, power_of_two);
-  auto [data_t, scale_inv_t] = quantize_blockwise_cuda(xc.t(), dtype, 1, 128, power_of_two);
+  const int64_t rows = xc.size(0), cols = xc.size(1);
+  const auto f32 = xc.options().dtype(at::kFloat);
+  at::Tensor data = at::empty({rows, cols}, xc.options().dtype(dtype));
+  at::Tensor data_t = at::empty({cols, rows}, xc.options().dtype(dtype));
+  at::Tensor scale_inv = at::empty({rows, (cols + 127) / 128}, f32);
+  at::Tensor scale_inv_t = at::empty({cols, (rows + 127) / 128}, f32);
+  fp8ops::QuantizeBlockwisePairParams p{};
+  p.x = xc.data_ptr();
+  p.x_dtype = to_dtype(xc.scalar_type());
+  p.rows = rows;
+  p.cols = cols;
+  p.out_dtype = to_dtype(dtype);
+  p.power_of_two = power_of_two;
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.data_t = static_cast<uint8_t*>(data_t.data_ptr());
+  p.scale_inv_t = scale_inv_t.data_ptr<float>();
+  try {
+    fp8ops::launch_quantize_blockwise_pair(p, stream_of(xc));
+  } catch (const std::exception& e) {
+    FP8OPS_CHECK(false, e.what());
+  }
   return {data, scale_inv, data_t, scale_inv_t, column_sums(xc, sum_dtype)};
 }
 

@@ -1,7 +1,7 @@
 """Runs every fp8ops cast and GEMM op once on small CUDA tensors (odd sizes, misaligned views), for
 compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck. With --race it runs only
-the kernels that share data through shared memory (the fused cast+transpose and the percentile
-scale update), for --tool racecheck, which is slow on the GEMMs."""
+the kernels that share data through shared memory (the fused cast+transpose, the blockwise pair
+cast and the scale update), for --tool racecheck, which is slow on the GEMMs."""
 import sys
 
 import torch
@@ -34,6 +34,8 @@ if "--race" in sys.argv:
                              torch.tensor(1.0, device="cuda"), torch.tensor(3.0, device="cuda"),
                              torch.tensor(4, device="cuda"), 448.0, 1.0, 1, "percentile", 0.1, 90.0,
                              False)
+    for v in (x, x[:, :256].contiguous(), x.float()):  # the tiled blockwise pair cast
+        ops.quantize_blockwise_pair(v, F8, False)
     for algo in ("max", "percentile"):  # the update in place: outputs alias the inputs
         bufs = _role_buffers(1024)
         ops.quantize_delayed(x, *bufs, F8, 1.0, 1, algo, 0.1, 90.0, False, True, False, True)

@@ -349,3 +349,17 @@ def test_fp8_upcast_host_path(host_check, fmt_id, fmt):
     got = from_hex([r[0] for r in out])
     want = tbits(torch.arange(256, dtype=torch.uint8).view(fmt).float())
     assert_bits_equal(got, want, f"fp8_to_float {fmt}", np.arange(256))
+
+
+# ---- launch math of the blockwise pair cast (csrc/blockwise_pair.cu) ------------------------------
+SM89_MAX_SMEM = 99 * 1024  # dynamic shared memory a block may opt in to on sm_89 (sm_90: 227 KB)
+
+
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_blockwise_pair_plan_covers_every_tile_and_fits_shared_memory(host_check, elem_bytes):
+    shapes = [(1, 1), (127, 129), (128, 128), (4096, 14336), (16384, 7168), (130, 70), (1, 300)]
+    out = host_check("pairplan", [], [f"{r} {c} {elem_bytes}" for r, c in shapes])
+    for (rows, cols), (tr, tc, smem) in zip(shapes, out):
+        assert (int(tr), int(tc)) == (-(-rows // 128), -(-cols // 128)), (rows, cols)
+        # a 128x128 tile of x and its 128x128 transposed bytes, within what a block may have
+        assert 128 * 128 * (elem_bytes + 1) <= int(smem) <= SM89_MAX_SMEM, smem

@@ -40,7 +40,8 @@ def _equal(a, b, what):
     assert same, what
 
 
-NAMES = ["random", "bf16", "fp16", "huge", "tiny", "special", "zeros", "empty"]
+NAMES = ["random", "bf16", "fp16", "huge", "tiny", "special", "zeros", "empty", "ragged",
+         "ragged_bf16"]
 
 
 def _inputs():
@@ -48,9 +49,12 @@ def _inputs():
     x = torch.randn(300, 264, device="cuda", generator=g) * 3
     special = x.clone()
     special[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0], device="cuda")
+    # ragged: rows and columns off every vector and word (the kernels' scalar paths)
+    ragged = torch.randn(301, 133, device="cuda", generator=g) * 5
     return {"random": x, "bf16": (x * 40).bfloat16(), "fp16": x.half(), "huge": x * 1e30,
             "tiny": x * 1e-20, "special": special, "zeros": torch.zeros(64, 32, device="cuda"),
-            "empty": torch.empty(0, 48, device="cuda")}
+            "empty": torch.empty(0, 48, device="cuda"), "ragged": ragged,
+            "ragged_bf16": ragged[:, :131].bfloat16()}
 
 
 def _buffers(seed):

@@ -14,6 +14,8 @@
 //   dsu    (one update per record, see run_dsu)                    -> history, scale, scale_inv, rep, pending
 //   cvt    fmt             records: a_bits b_bits  -> to_fp8(a), to_fp8(b), to_fp8x2(a, b) (cuda_fp8.hpp host path)
 //   up     fmt             records: byte (decimal) -> bits of fp8_to_float (cuda_fp8.hpp host path)
+//   pairplan               records: rows cols elem_bytes (decimal) -> tiles_r tiles_c smem_bytes
+//                          (the launch of the blockwise pair cast, fp8ops.h plan_blockwise_pair)
 // fmt is 0 for E4M3, 1 for E5M2.
 #include <algorithm>
 #include <cinttypes>
@@ -214,6 +216,12 @@ int main(int argc, char** argv) {
   } else if (!strcmp(mode, "cvt")) {
     const int fmt = int(rd_i64());
     fmt ? run_cvt<Fp8::kE5M2>() : run_cvt<Fp8::kE4M3>();
+  } else if (!strcmp(mode, "pairplan")) {
+    long long rows, cols, elem;
+    while (scanf("%lld %lld %lld", &rows, &cols, &elem) == 3) {
+      const BlockwisePairPlan plan = plan_blockwise_pair(rows, cols, int(elem));
+      printf("%lld %lld %zu\n", (long long)plan.tiles_r, (long long)plan.tiles_c, plan.smem_bytes);
+    }
   } else if (!strcmp(mode, "up")) {
     const int fmt = int(rd_i64());
     fmt ? run_up<Fp8::kE5M2>() : run_up<Fp8::kE4M3>();
