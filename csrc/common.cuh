@@ -242,18 +242,38 @@ __host__ __device__ __forceinline__ float exp2i(int e) {
 // result as float32, an exact FP8 value (or NaN, or y itself for a signed zero).
 template <Fp8 F>
 __host__ __device__ __forceinline__ float stochastic_value(float y, uint32_t rnd) {
+  // DESIGN.md section 4 on the float32 bits, in integers: |y| = sig * 2^(e - 23) (sig the 24-bit
+  // significand), ulp = 2^ue, k = |y| / ulp = sig / 2^shift. floor(k) and the fraction are the
+  // bits of sig above and below `shift`, and fraction > u = m / 2^24 (m = rnd >> 8) is an
+  // integer comparison: low * 2^24 > m * 2^shift. The same result as the float formulation.
   using Tr = Fp8Traits<F>;
   if (isnan(y)) return y;
   y = fminf(fmaxf(y, -Tr::kMax), Tr::kMax);
-  const float a = fabsf(y);
-  if (a == 0.0f) return y;  // keeps the sign of zero
-  const int fl = floor_log2(a);
-  const int ue = (fl > Tr::kEmin ? fl : Tr::kEmin) - Tr::kMbits;
-  const float k = mul_rn(a, exp2i(-ue));  // a / ulp, exact
-  const float fk = floorf(k);
-  const float u = mul_rn(float(rnd >> 8), 0x1p-24f);
-  const float up = sub_rn(k, fk) > u ? 1.0f : 0.0f;
-  const float mag = fminf(mul_rn(add_rn(fk, up), exp2i(ue)), Tr::kMax);
+  const uint32_t a = float_as_bits(y) & 0x7fffffffu;
+  if (a == 0u) return y;  // keeps the sign of zero
+  const int biased = int(a >> 23);
+  const int e = biased ? biased - 127 : -126;  // a float32 subnormal: below every FP8 emin
+  const uint32_t sig = biased ? (a & 0x7fffffu) | 0x800000u : a;
+  const int ue = (e > Tr::kEmin ? e : Tr::kEmin) - Tr::kMbits;
+  const int shift = 23 + ue - e;  // >= 23 - mbits
+  const uint32_t m = rnd >> 8;
+  uint32_t fk, low;
+  if (shift < 32) {
+    fk = sig >> shift;
+    low = sig & ((1u << shift) - 1u);
+  } else {
+    fk = 0u;
+    low = sig;
+  }
+  bool up;
+  if (shift <= 24) {
+    up = (low << (24 - shift)) > m;
+  } else if (shift - 24 <= 40) {
+    up = uint64_t(low) > (uint64_t(m) << (shift - 24));
+  } else {  // m * 2^(shift - 24) >= 2^41 > low unless m == 0
+    up = m == 0u && low != 0u;
+  }
+  const float mag = fminf(mul_rn(float(fk + (up ? 1u : 0u)), exp2i(ue)), Tr::kMax);
   return copysignf(mag, y);
 }
 template <Fp8 F>
