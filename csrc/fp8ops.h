@@ -80,6 +80,25 @@ struct DequantizeMxParams {
 };
 void launch_dequantize_mx(const DequantizeMxParams& p, cudaStream_t stream);
 
+// MXFP8 copies of x [rows, cols] blocked along both axes, from one read of x (mx_pair.cu): x zero-
+// padded to [rows_p, cols_p] (multiples of 32), row_data [rows, cols_p] with row_scales
+// [rows, cols_p / 32] (blocks along the columns, the rows < rows only), col_data [rows_p, cols_p]
+// with col_scales [rows_p / 32, cols_p] (blocks along the rows); the bytes of launch_quantize_mx
+// (block 32) on the padded x along axis 1 and axis 0.
+constexpr int kMxPairBlock = 32;
+struct QuantizeMxPairParams {
+  const void* x;
+  DType x_dtype;
+  int64_t rows, cols;
+  DType out_dtype;
+  bool rceil;
+  uint8_t* row_data;
+  uint8_t* row_scales;
+  uint8_t* col_data;
+  uint8_t* col_scales;
+};
+void launch_quantize_mx_pair(const QuantizeMxPairParams& p, cudaStream_t stream);
+
 // Blockwise: x viewed as [rows, cols], tiles block_rows x block_cols (last ones may be partial),
 // scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)] float32.
 struct QuantizeBlockwiseParams {

@@ -556,7 +556,8 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
   return {data, data_t, used, used_inv, column_sums(xc, sum_dtype)};
 }
 // ---- fused block casts: the row-wise copy, the column-wise copy for the backward GEMMs and the
-// column sums of a 2-D x in one call (blockwise: one tiled kernel; MXFP8: two quantizer launches)
+// column sums of a 2-D x in one call (one kernel each; MXFP8 with blocks other than 32: two
+// quantizer launches on a padded copy)
 void check_matrix(const at::Tensor& x, const char* op) {
   FP8OPS_CHECK(x.dim() == 2, "fp8ops: ", op, ": x must be 2-D [rows, cols], got shape ", shape_str(x));
 }
@@ -599,10 +600,34 @@ FusedCast quantize_mx_pair_cuda(const at::Tensor& x, at::ScalarType dtype, int64
   check_matrix(x, "quantize_mx_pair");
   FP8OPS_CHECK(block_size > 0 && block_size <= (1 << 20), "fp8ops: quantize_mx_pair: block_size must be in [1, 2^20], got ",
               block_size);
+  check_fp8_dtype(dtype, "dtype");
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
   const int64_t pad_m = (block_size - m % block_size) % block_size, pad_k = (block_size - k % block_size) % block_size;
+  if (block_size == fp8ops::kMxPairBlock) {  // one kernel, one read of x, no padded copy
+    const int64_t mp = m + pad_m, kp = k + pad_k;
+    const auto bytes = xc.options().dtype(at::kByte);
+    at::Tensor row = at::empty({m, kp}, xc.options().dtype(dtype)), row_scales = at::empty({m, kp / block_size}, bytes);
+    at::Tensor col = at::empty({mp, kp}, xc.options().dtype(dtype)), col_scales = at::empty({mp / block_size, kp}, bytes);
+    fp8ops::QuantizeMxPairParams p{};
+    p.x = xc.data_ptr();
+    p.x_dtype = to_dtype(xc.scalar_type());
+    p.rows = m;
+    p.cols = k;
+    p.out_dtype = to_dtype(dtype);
+    p.rceil = rceil;
+    p.row_data = static_cast<uint8_t*>(row.data_ptr());
+    p.row_scales = row_scales.data_ptr<uint8_t>();
+    p.col_data = static_cast<uint8_t*>(col.data_ptr());
+    p.col_scales = col_scales.data_ptr<uint8_t>();
+    try {
+      fp8ops::launch_quantize_mx_pair(p, stream_of(xc));
+    } catch (const std::exception& e) {
+      FP8OPS_CHECK(false, e.what());
+    }
+    return {row, row_scales, col, col_scales, column_sums(xc, sum_dtype)};
+  }
   // zeros change neither a block's amax nor a product
   at::Tensor xp = pad_m || pad_k ? at::constant_pad_nd(xc, {0, pad_k, 0, pad_m}) : xc;
   auto [row, row_scales] = quantize_mx_cuda(xp.narrow(0, 0, m), dtype, block_size, 1, rceil);

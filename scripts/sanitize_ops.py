@@ -71,6 +71,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
                                  True, update, warm, record, True, torch.float32, False, 0, 0)
         ops.quantize_blockwise_pair(v, F8, False, dt)
         ops.quantize_mx_pair(v, F8, 32, True, dt)
+        ops.quantize_mx_pair(v, F8, 16, False, None)
 for algo in ("max", "most_recent", "ema", "percentile"):
     for L in (1, 17, 1024):
         ops.delayed_scale_update(torch.rand(L, device="cuda"), torch.ones(1, device="cuda"),
