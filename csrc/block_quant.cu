@@ -69,14 +69,14 @@ __global__ void mx_strided_kernel(QuantizeMxParams p, int64_t n_blocks) {
 }
 
 template <Fp8 F, typename T>
-__global__ void dequantize_mx_kernel(DequantizeMxParams p, int64_t n) {
+__global__ void dequantize_mx_kernel(DequantizeMxParams p, int64_t n, int block_shift) {
   T* __restrict__ out = static_cast<T*>(p.out);
   const int64_t nb = p.len / p.block_size;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t f = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; f < n; f += stride) {
     int64_t si;
-    if (p.inner == 1) {
-      si = f / p.block_size;
+    if (p.inner == 1) {  // a shift for a power-of-two block (32): no 64-bit division per element
+      si = block_shift >= 0 ? f >> block_shift : f / p.block_size;
     } else {
       const int64_t i = f % p.inner, ol = f / p.inner;
       si = ((ol / p.len) * nb + (ol % p.len) / p.block_size) * p.inner + i;
@@ -165,7 +165,12 @@ void launch_dequantize_mx(const DequantizeMxParams& p, cudaStream_t stream) {
     constexpr Fp8 F = decltype(fmt)::value;
     dispatch_input(p.out_dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      launch_kernel(dequantize_mx_kernel<F, T>, grid_for(n, kThreads, kMaxBlocks), kThreads, stream, p, n);
+      int shift = -1;  // log2(block_size) when it is a power of two
+      if ((p.block_size & (p.block_size - 1)) == 0) {
+        shift = 0;
+        while ((1 << shift) < p.block_size) ++shift;
+      }
+      launch_kernel(dequantize_mx_kernel<F, T>, grid_for(n, kThreads, kMaxBlocks), kThreads, stream, p, n, shift);
     });
   });
 }

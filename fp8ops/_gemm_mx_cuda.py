@@ -21,8 +21,9 @@ def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: 
             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
     if not a.is_cuda or not _MM_OUT_DTYPE[0]:
         return _emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
-    ad = _emulation.dequantize_mx(a, a_scales, block_size, -1, torch.bfloat16)
-    bd = _emulation.dequantize_mx(b, b_scales, block_size, -1, torch.bfloat16)
+    # one kernel each (fp8ops' dequantize_mx, bit-exact with the emulation's), straight to bf16
+    ad = torch.ops.fp8ops.dequantize_mx(a, a_scales, block_size, -1, torch.bfloat16)
+    bd = torch.ops.fp8ops.dequantize_mx(b, b_scales, block_size, -1, torch.bfloat16)
     try:
         acc = torch.mm(ad, bd.t(), out_dtype=torch.float32)
     except (RuntimeError, TypeError):  # an older torch: float32 matmul, as the emulation
