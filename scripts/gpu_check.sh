@@ -57,6 +57,10 @@ if want bench; then
   timeout 600 python3 bench/bench_gemm.py --iters 20 > "$OUT/bench_gemm.log" 2>&1
   rc=$?; tail -8 "$OUT/bench_gemm.log"; record $rc bench_gemm
 
+  section "bench/bench_backward_gemm.py"
+  timeout 600 python3 bench/bench_backward_gemm.py > "$OUT/bench_backward_gemm.log" 2>&1
+  rc=$?; tail -6 "$OUT/bench_backward_gemm.log"; record $rc bench_backward_gemm
+
   section "bench/bench_linear.py"
   timeout 600 python3 bench/bench_linear.py --recipes current,delayed,mxfp8,blockwise > "$OUT/bench_linear.log" 2>&1
   rc=$?; tail -16 "$OUT/bench_linear.log"; record $rc bench_linear
