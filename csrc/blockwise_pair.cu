@@ -28,7 +28,7 @@ __device__ __forceinline__ uint8_t block_quant(float v, const BlockScale& s) {
 // inside x or wholly outside.
 template <typename T, Fp8 F, bool kVec>
 __global__ void __launch_bounds__(kThreads) blockwise_pair_kernel(QuantizeBlockwisePairParams p, int64_t tiles_c,
-                                                                  int64_t tiles_r, bool words_t) {
+                                                                  bool words_t) {
   constexpr int N = kVec ? 16 / int(sizeof(T)) : 1;
   constexpr int kLdT = blockwise_pair_row_elems(sizeof(T));  // tile row stride: 16-byte rows
   constexpr int kLdQ = kBlockwisePairStageLd;                // staged bytes: odd words per row
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) blockwise_pair_kernel(QuantizeBlockw
       for (int k = 0; k < N; ++k) q.v[k] = block_quant<F>(to_float(a.v[k]), s);
       *reinterpret_cast<Pack<uint8_t, N>*>(p.data + (r0 + r) * p.cols + c0 + lc) = q;
     }
-    if (lc == 0) p.scale_inv[(r0 + r) * tiles_c + tc] = s.scale_inv;
+    if (lc == 0) p.scale_inv[tc * p.rows + r0 + r] = s.scale_inv;  // rows contiguous
   }
 
   // 4. the transposed copy: blocks along the columns, staged column by column
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) blockwise_pair_kernel(QuantizeBlockw
       for (int k = 0; k < 4; ++k) w |= uint32_t(block_quant<F>(to_float(tile[(r + k) * kLdT + c]), s)) << (8 * k);
       *reinterpret_cast<uint32_t*>(staged + c * kLdQ + r) = w;
     }
-    if (h == 0 && c < nc) p.scale_inv_t[(c0 + c) * tiles_r + tr] = s.scale_inv;
+    if (h == 0 && c < nc) p.scale_inv_t[tr * p.cols + c0 + c] = s.scale_inv;
   }
   __syncthreads();
   const int warp = t / 32, lane = t % 32;
@@ -120,9 +120,9 @@ __global__ void __launch_bounds__(kThreads) blockwise_pair_kernel(QuantizeBlockw
 
 template <typename K>
 void launch_pair(K kernel, unsigned grid, size_t smem, cudaStream_t stream, const QuantizeBlockwisePairParams& p,
-                 int64_t tiles_c, int64_t tiles_r, bool words_t) {
+                 int64_t tiles_c, bool words_t) {
   FP8OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  launch_kernel_smem(kernel, grid, kThreads, smem, stream, p, tiles_c, tiles_r, words_t);
+  launch_kernel_smem(kernel, grid, kThreads, smem, stream, p, tiles_c, words_t);
 }
 
 }  // namespace
@@ -141,10 +141,10 @@ void launch_quantize_blockwise_pair(const QuantizeBlockwisePairParams& p, cudaSt
       constexpr Fp8 F = decltype(fmt)::value;
       if (vec) {
         launch_pair(blockwise_pair_kernel<T, F, true>, unsigned(grid), plan.smem_bytes, stream, p, plan.tiles_c,
-                    plan.tiles_r, words_t);
+                    words_t);
       } else {
         launch_pair(blockwise_pair_kernel<T, F, false>, unsigned(grid), plan.smem_bytes, stream, p, plan.tiles_c,
-                    plan.tiles_r, words_t);
+                    words_t);
       }
     });
   });

@@ -116,7 +116,8 @@ void launch_quantize_blockwise(const QuantizeBlockwiseParams& p, cudaStream_t st
 // Blockwise 1x128 casts of x [rows, cols] and of its transpose, from one read of x (blockwise_pair.cu):
 // data [rows, cols] with scale_inv [rows, ceil(cols / 128)] (the blocks run along the rows), and
 // data_t [cols, rows] with scale_inv_t [cols, ceil(rows / 128)] (x^T's rows: x's columns); the
-// bytes of launch_quantize_blockwise (1x128) on x and on a contiguous x^T.
+// bytes of launch_quantize_blockwise (1x128) on x and on a contiguous x^T. Both scale tensors are
+// stored with their rows contiguous ([blocks, rows] in memory: what the sm90 GEMM reads).
 struct QuantizeBlockwisePairParams {
   const void* x;
   DType x_dtype;

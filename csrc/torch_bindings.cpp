@@ -573,8 +573,9 @@ FusedCast quantize_blockwise_pair_cuda(const at::Tensor& x, at::ScalarType dtype
   const auto f32 = xc.options().dtype(at::kFloat);
   at::Tensor data = at::empty({rows, cols}, xc.options().dtype(dtype));
   at::Tensor data_t = at::empty({cols, rows}, xc.options().dtype(dtype));
-  at::Tensor scale_inv = at::empty({rows, (cols + 127) / 128}, f32);
-  at::Tensor scale_inv_t = at::empty({cols, (rows + 127) / 128}, f32);
+  // the scales with their rows contiguous (what the GEMM reads): [blocks, rows] buffers, transposed
+  at::Tensor scale_inv = at::empty({(cols + 127) / 128, rows}, f32).t();
+  at::Tensor scale_inv_t = at::empty({(rows + 127) / 128, cols}, f32).t();
   fp8ops::QuantizeBlockwisePairParams p{};
   p.x = xc.data_ptr();
   p.x_dtype = to_dtype(xc.scalar_type());
@@ -864,9 +865,15 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
   const int64_t Mp = padded.m, Np = padded.n, Kp = padded.k;
   at::Tensor ap = tma_operand(a, Mp, Kp), bp = tma_operand(b, Np, Kp);
   // CUTLASS's sm90 blockwise mainloop takes MN-major scales: [Kb, M] and [Kb, N or Nb]. Padding
-  // rows and columns get scale 1 (their data is zero).
-  at::Tensor sfa = at::ones({Kb, Mp}, a.options().dtype(at::kFloat));
-  sfa.narrow(1, 0, M).copy_(a_scale_inv.t());
+  // rows and columns get scale 1 (their data is zero). Scales already stored that way (the
+  // blockwise pair cast writes them so) are read as they are.
+  at::Tensor sfa;
+  if (Mp == M && a_scale_inv.scalar_type() == at::kFloat && a_scale_inv.t().is_contiguous()) {
+    sfa = a_scale_inv.t();
+  } else {
+    sfa = at::ones({Kb, Mp}, a.options().dtype(at::kFloat));
+    sfa.narrow(1, 0, M).copy_(a_scale_inv.t());
+  }
   at::Tensor sfb = b_scale_inv.to(at::kFloat).t().contiguous();
   if (per_row && Np != N) {
     at::Tensor padded = at::ones({Kb, Np}, sfb.options());

@@ -87,11 +87,19 @@ def quantize_delayed(x: torch.Tensor, amax_history: torch.Tensor, scale: torch.T
 def quantize_blockwise_pair(x: torch.Tensor, dtype: torch.dtype, power_of_two: bool,
                             sum_dtype: Optional[torch.dtype] = None):
     """x [M, K] cast with 1x128 blocks along K and, for the backward GEMMs, x^T [K, M] cast with
-    1x128 blocks along M: (data, scale_inv, data_t, scale_inv_t, column sums)."""
+    1x128 blocks along M: (data, scale_inv, data_t, scale_inv_t, column sums). The scales are
+    stored with their rows contiguous (scale_inv [M, Kb] in a [Kb, M] buffer): the layout the
+    Hopper GEMM reads, so it needs no per-call copy."""
     _need_2d(x, "quantize_blockwise_pair")
     data, scale_inv = _ops.quantize_blockwise(x, dtype, 1, 128, power_of_two)
     data_t, scale_inv_t = _ops.quantize_blockwise(x.t(), dtype, 1, 128, power_of_two)
-    return data, scale_inv, data_t, scale_inv_t, column_sums(x, sum_dtype)
+    return (data, mn_major(scale_inv), data_t, mn_major(scale_inv_t),
+            column_sums(x, sum_dtype))
+
+
+def mn_major(scales: torch.Tensor) -> torch.Tensor:
+    """scales [rows, blocks] stored with the rows contiguous (strides (1, rows))."""
+    return scales.t().contiguous().t()
 
 
 def quantize_mx_pair(x: torch.Tensor, dtype: torch.dtype, block_size: int, rceil: bool,

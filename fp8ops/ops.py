@@ -244,8 +244,9 @@ def _sums(x, sum_dtype):
 def _(x, dtype, power_of_two, sum_dtype=None):
     torch._check(x.dim() == 2, lambda: "fp8ops: quantize_blockwise_pair: x must be 2-D")
     m, k = x.shape
-    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, (k + 127) // 128), dtype=_F32),
-            x.new_empty((k, m), dtype=dtype), x.new_empty((k, (m + 127) // 128), dtype=_F32),
+    # the scales with their rows contiguous (_fused.mn_major): [blocks, rows] buffers, transposed
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty(((k + 127) // 128, m), dtype=_F32).t(),
+            x.new_empty((k, m), dtype=dtype), x.new_empty(((m + 127) // 128, k), dtype=_F32).t(),
             _sums(x, sum_dtype))
 
 

@@ -227,6 +227,10 @@ def test_quantize_blockwise_pair_is_both_casts(name, dtype, p2):
            x.sum(0, dtype=torch.float32).bfloat16())
     for k, (a, b) in enumerate(zip(got, ref)):
         _equal(a, b, (name, k))
+    # the scales as the Hopper GEMM reads them: rows contiguous
+    assert got[1].t().is_contiguous() and got[3].t().is_contiguous()
+    if min(got[1].shape) > 1:  # (a dimension of one or none has no meaningful stride)
+        assert got[1].stride() == (1, x.shape[0])
 
 
 @pytest.mark.parametrize("name", sorted(BLOCK_INPUTS))
