@@ -3,6 +3,7 @@ CUDA-event timings, interleaved rounds, and the facts about the device and softw
 result records."""
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -32,33 +33,33 @@ def time_cuda(fn, iters: int = 50, warmup: int = 5, flush: bool = True) -> float
     the L2 flushed before each run."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if flush:
-            flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_step(fn, "cuda", flush) for _ in range(iters))
 
 
-def time_step(fn, device: str = "cuda") -> float:
+def time_step(fn, device: str = "cuda", flush: bool = True) -> float:
     """Milliseconds of one fn() call: on a GPU, CUDA events around fn alone with the L2 flushed
     before; elsewhere wall clock (a smoke run, not a measurement)."""
     if torch.device(device).type != "cuda":
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    flush_l2()
+    if flush:
+        flush_l2()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+def write_table(out_dir, filename: str, table: str) -> None:
+    """Print a result table and, with an out_dir, write it there."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, filename), "w") as f:
+            f.write(table)
+    print(table)
 
 
 def error_text(exc: BaseException, limit: int = 160) -> str:

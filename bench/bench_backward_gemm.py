@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import fp8ops  # noqa: E402,F401  (registers torch.ops.fp8ops)
-from _timing import device_info, error_text, require_gpu, time_cuda  # noqa: E402
+from _timing import device_info, error_text, require_gpu, time_cuda, write_table  # noqa: E402
 from bench_linear import SHAPES  # noqa: E402  (the layer shapes bench_linear times)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -96,11 +96,7 @@ def main(argv=None) -> list:
             print(f"M={m:6d} K={k:5d} N={n:6d} {kind}: " + "  ".join(
                 f"{name} {cell(res[name])}" for name in CANDIDATES), flush=True)
         torch.cuda.empty_cache()
-    table = render(rows, device_info(), args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "backward_gemm.md"), "w") as f:
-        f.write(table)
-    print(table)
+    write_table(args.out, "backward_gemm.md", render(rows, device_info(), args))
     return rows
 
 

@@ -31,7 +31,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import device_info, error_text, interleaved, require_gpu  # noqa: E402
+from _timing import (device_info, error_text, interleaved, require_gpu,  # noqa: E402
+                     write_table)
 from bench_comm import LlamaBlock  # noqa: E402
 
 RECIPES = ("current", "delayed", "mxfp8", "blockwise")
@@ -145,11 +146,7 @@ def main(argv=None) -> dict:
             results[key] = f"{results[key]:.3f} ms, but the weights were not finite after it"
 
     table = render(results, modes, names, dims, device_info(dev), args)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "block.md"), "w") as f:
-            f.write(table)
-    print(table)
+    write_table(out_dir, "block.md", table)
     return results
 
 

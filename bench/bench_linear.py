@@ -26,7 +26,8 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import device_info, error_text, interleaved, require_gpu  # noqa: E402
+from _timing import (device_info, error_text, interleaved, require_gpu,  # noqa: E402
+                     write_table)
 
 SHAPES = [  # (M, K, N): tokens, in_features, out_features
     (16384, 8192, 7168), (16384, 8192, 1280), (16384, 4096, 14336), (8192, 4096, 4096),
@@ -125,11 +126,7 @@ def main(argv=None) -> list:
             torch.cuda.empty_cache()
 
     table = render(rows, names, info, args)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "linear.md"), "w") as f:
-            f.write(table)
-    print(table)
+    write_table(out_dir, "linear.md", table)
     return rows
 
 

@@ -9,16 +9,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // ---- MXFP8 (the scale: mx_scale in common.cuh) ---------------------------------------------------
-template <Fp8 F>
-__device__ __forceinline__ uint8_t mx_quant(float v, const MxScale& s) {
-  return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.mul));
-}
 
 // Blocks of 32 contiguous elements (axis = last): a group of 32 / N lanes holds one block, N
 // elements each, and reduces the block's amax with shuffles.

@@ -14,11 +14,6 @@ namespace {
 constexpr int kTile = kBlockwisePairTile;
 constexpr int kThreads = 256;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 template <Fp8 F>
 __device__ __forceinline__ uint8_t block_quant(float v, const BlockScale& s) {
   return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.scale));

@@ -8,11 +8,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 2048;  // grid-stride beyond this: fewer amax atomics, same bandwidth
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // A flat range [0, n) split into a scalar head (until the input is 16-byte aligned), a body of
 // N-element vectors, and a scalar tail; head == n makes everything scalar.
 struct FlatPlan {

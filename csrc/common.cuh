@@ -309,6 +309,12 @@ __host__ __device__ __forceinline__ float e8m0_to_float(uint8_t b) {
   return b == 0xFF ? bits_as_float(0x7fc00000u) : exp2i(int(b) - 127);
 }
 
+// One element of an MXFP8 block: its byte under the block's scale (NaN bytes for a bad block).
+template <Fp8 F>
+__device__ __forceinline__ uint8_t mx_quant(float v, const MxScale& s) {
+  return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.mul));
+}
+
 // ---- blockwise scales (DESIGN.md section 5; _emulation.blockwise_scales) ----------------------
 struct BlockScale {
   float scale, scale_inv;
@@ -405,6 +411,12 @@ __device__ __forceinline__ unsigned block_max(unsigned m) {
   m = threadIdx.x < (blockDim.x >> 5) ? warp_m[threadIdx.x] : 0u;
   return threadIdx.x < 32 ? warp_max(m) : m;
 }
+
+// N elements of T in one aligned vector (16-byte loads and stores).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
 
 // Elements to skip before p is 16-byte aligned (n_max if p is not even element-aligned).
 template <typename T>

@@ -13,11 +13,6 @@ namespace {
 constexpr int kB = kMxPairBlock;
 constexpr int kThreads = 256;  // 8 warps: 256 columns of a band
 
-template <Fp8 F>
-__device__ __forceinline__ uint8_t mx_quant(float v, const MxScale& s) {
-  return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.mul));
-}
-
 template <typename T, Fp8 F>
 __global__ void __launch_bounds__(kThreads) mx_pair_kernel(QuantizeMxPairParams p, int64_t cols_p, int64_t col_groups) {
   const T* __restrict__ x = static_cast<const T*>(p.x);
