@@ -9,3 +9,12 @@ def has_fp8_gpu() -> bool:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+def skip_without_fp8_kernels() -> None:
+    """Skip the calling test unless this GPU has FP8 and fp8ops' CUDA kernels are loaded."""
+    from fp8ops import _backend
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("GPU has no FP8 (compute capability < 8.9)")
+    if not _backend.extension_loaded():
+        pytest.skip("fp8ops._C not loaded: " + _backend._state["why_not"])

@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
+from conftest import skip_without_fp8_kernels
+
 import fp8ops  # noqa: F401  (registers the ops, loads the extension when it can)
-from fp8ops import _backend, _emulation
+from fp8ops import _emulation
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,10 +17,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _need_kernels():
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("GPU has no FP8 (compute capability < 8.9)")
-    if not _backend.extension_loaded():
-        pytest.skip("fp8ops._C not loaded: " + _backend._state["why_not"])
+    skip_without_fp8_kernels()
 
 
 OPS = torch.ops.fp8ops

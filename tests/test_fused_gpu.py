@@ -6,8 +6,10 @@ import itertools
 import pytest
 import torch
 
+from conftest import skip_without_fp8_kernels
+
 import fp8ops  # noqa: F401
-from fp8ops import _backend, _fused
+from fp8ops import _fused
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,10 +24,7 @@ BUFFERS = ("amax_history", "scale", "scale_inv", "amax_rep", "pending_amax", "st
 
 @pytest.fixture(autouse=True)
 def _need_kernels():
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("GPU has no FP8 (compute capability < 8.9)")
-    if not _backend.extension_loaded():
-        pytest.skip("fp8ops._C not loaded: " + _backend._state["why_not"])
+    skip_without_fp8_kernels()
     for name in ("quantize_current", "quantize_delayed", "quantize_blockwise_pair",
                  "quantize_mx_pair"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{name}", "CUDA")
