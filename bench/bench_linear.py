@@ -164,7 +164,35 @@ def render(rows, names, info, args) -> str:
                      " | ".join(cell_ratio(row, r) for r in names) + " |")
     lines.append("| geomean | | | | " +
                  " | ".join(geomean_cell([ratio(row, r) for _, row in rows]) for r in names) + " |")
+    for recipe in ("current", "delayed"):
+        if recipe in names:
+            rule = crossover([(shape, ratio(row, recipe)) for shape, row in rows])
+            lines += ["", f"Crossover that keeps every measured {recipe} shape at >= 1.0x bf16 "
+                      f"(the measured shapes only; fp8ops.fallback.MEASURED): {rule}"]
     return "\n".join(lines) + "\n"
+
+
+def crossover(measured):
+    """The high-precision fallback's rule read from measured (shape, speed-up) pairs: of the
+    thresholds (min_tokens, min_in_features, min_out_features) taken from the measured shapes'
+    own dimensions (or one past the largest: nothing in FP8), the one that runs the most shapes
+    in FP8 while every shape it runs in FP8 was measured at >= 1.0x (a shape that falls back
+    runs as bf16 does); ties go to the larger speed-up sum, then to the larger thresholds (what
+    was not measured runs bf16). A shape whose speed-up is unknown (an error) must fall back."""
+    dims = [sorted({0, *(shape[d] for shape, _ in measured),
+                    max(shape[d] for shape, _ in measured) + 1}) for d in range(3)]
+    best, best_key = None, None
+    for m in dims[0]:
+        for k in dims[1]:
+            for n in dims[2]:
+                fp8 = [r for (sm, sk, sn), r in measured if sm >= m and sk >= k and sn >= n]
+                if any(r is None or r < 1.0 for r in fp8):
+                    continue
+                key = (len(fp8), sum(fp8), m, k, n)
+                if best_key is None or key > best_key:
+                    best, best_key = (m, k, n), key
+    m, k, n = best
+    return f"Crossover(min_tokens={m}, min_in_features={k}, min_out_features={n})"
 
 
 if __name__ == "__main__":

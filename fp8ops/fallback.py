@@ -4,7 +4,8 @@ A layer call multiplies [M, K] by [N, K] (M tokens, K in_features, N out_feature
 time in proportion to M*K*N and pays for its casts and their launches in proportion to M*K + M*N
 and per call; below some size it is slower than bf16. A Crossover says from which size a layer
 runs FP8; `MEASURED` holds the one measured on each GPU model (bench/bench_linear.py prints the
-speed-up of every recipe per shape, from which a row is written here).
+speed-up of every recipe per shape and the Crossover that keeps every measured shape at >= 1.0x
+bf16: a row here).
 
 FP8Linear(fallback=...) / convert_to_fp8(fallback=...):
   "auto"     the crossover measured on the layer's GPU (none measured: FP8 always; the CPU

@@ -39,3 +39,22 @@ def test_bench_linear_smoke(tmp_path):
         assert all(_is_number(c) for c in r[3:]) and len(r) == 4 + len(RECIPES), r
     geomean = [r for r in rows if r[0].strip() == "geomean"]
     assert len(geomean) == 1 and all(_is_number(c) for c in geomean[0][4:]), table
+
+
+
+def test_crossover_runs_fp8_only_where_it_was_measured_faster():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "bench"))
+    import bench_linear
+    measured = [((16384, 8192, 7168), 1.6), ((16384, 8192, 1280), 1.3), ((4096, 4096, 4096), 1.1),
+                ((1024, 4096, 4096), 0.8), ((4096, 512, 512), 0.6), ((16384, 4096, 14336), None)]
+    # the 4096^3 shape cannot run FP8 without the unknown one (no threshold parts them), so the
+    # two fast K = 8192 shapes do, with the largest thresholds that keep them
+    assert bench_linear.crossover(measured) == \
+        "Crossover(min_tokens=16384, min_in_features=8192, min_out_features=1280)"
+    measured[-1] = ((16384, 4096, 14336), 1.4)  # now measured fast: 4096^3 joins
+    assert bench_linear.crossover(measured) == \
+        "Crossover(min_tokens=4096, min_in_features=4096, min_out_features=1280)"
+    # nothing faster than bf16: nothing runs FP8
+    assert bench_linear.crossover([((64, 64, 64), 0.5)]) == \
+        "Crossover(min_tokens=65, min_in_features=65, min_out_features=65)"
