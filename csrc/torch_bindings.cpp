@@ -555,6 +555,7 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
   }
   return {data, data_t, used, used_inv, column_sums(xc, sum_dtype)};
 }
+
 // ---- fused block casts: the row-wise copy, the column-wise copy for the backward GEMMs and the
 // column sums of a 2-D x in one call (one kernel each; MXFP8 with blocks other than 32: two
 // quantizer launches on a padded copy)
