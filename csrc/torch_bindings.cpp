@@ -81,14 +81,18 @@ cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
+// out = max |xc| (0 for an empty xc).
+at::Tensor amax_into(const at::Tensor& xc, const at::Tensor& out) {
+  if (xc.numel() == 0) return out.zero_();
+  fp8ops::launch_amax({xc.data_ptr(), to_dtype(xc.scalar_type()), xc.numel(), out.data_ptr<float>()}, stream_of(xc));
+  return out;
+}
+
 at::Tensor amax_cuda(const at::Tensor& x) {
   check_input(x, "x");
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({}, x.options().dtype(at::kFloat));
-  fp8ops::launch_amax({xc.data_ptr(), to_dtype(xc.scalar_type()), xc.numel(), out.data_ptr<float>()},
-                      stream_of(xc));
-  return out;
+  return amax_into(xc, at::empty({}, x.options().dtype(at::kFloat)));
 }
 
 // ==== BEGIN cast bindings ====
@@ -141,37 +145,61 @@ const int64_t* rng_ptr(const std::optional<at::Tensor>& rng, const at::Tensor& x
   return rng->data_ptr<int64_t>();
 }
 
+// Launches the cast of x (numel > 0) into data / data_t.
+void launch_cast(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype, bool transpose,
+                 bool stochastic, int64_t seed, int64_t offset, const int64_t* rng_words, const at::Tensor& data,
+                 const at::Tensor& data_t, const at::Tensor& amax_out) {
+  auto [rows, cols] = rows_cols(xc);
+  fp8ops::QuantizeParams p{};
+  p.x = xc.data_ptr();
+  p.x_dtype = to_dtype(xc.scalar_type());
+  p.n = xc.numel();
+  p.cols = cols;
+  p.scale = scale.data_ptr<float>();
+  p.out_dtype = to_dtype(dtype);
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.data_t = transpose ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+  p.amax = amax_out.data_ptr<float>();
+  p.stochastic = stochastic;
+  p.seed = static_cast<uint64_t>(seed);  // two's complement bits, as the emulation's masks
+  p.offset = static_cast<uint64_t>(offset);
+  p.rng = rng_words;
+  fp8ops::launch_quantize(p, stream_of(xc));
+}
+
+// data (and data_t) of x cast with the scale on the device; amax_out receives max |x|.
+std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
+                                            bool transpose, bool stochastic, int64_t seed, int64_t offset,
+                                            const std::optional<at::Tensor>& rng, const at::Tensor& amax_out) {
+  const int64_t* rng_words = rng_ptr(rng, xc);
+  auto [rows, cols] = rows_cols(xc);
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
+  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
+  if (xc.numel() == 0) {
+    amax_out.zero_();
+  } else {
+    launch_cast(xc, scale, dtype, transpose, stochastic, seed, offset, rng_words, data, data_t, amax_out);
+  }
+  return {data, data_t};
+}
+
+// A fused stochastic cast that read its random stream from rng advances the offset by one.
+void advance_rng(bool stochastic, const std::optional<at::Tensor>& rng) {
+  if (stochastic && rng) rng->narrow(0, 1, 1).add_(1);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const at::Tensor& scale,
                                                              at::ScalarType dtype, bool transpose,
                                                              bool stochastic, int64_t seed, int64_t offset,
                                                              const std::optional<at::Tensor>& rng) {
   check_input(x, "x");
   check_fp8_dtype(dtype, "dtype");
-  const int64_t* rng_words = rng_ptr(rng, x);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous(), s = cast_scale_f32(scale, x, "scale");
-  auto [rows, cols] = rows_cols(xc);
-  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
-  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
-  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
   at::Tensor amax = at::empty({}, xc.options().dtype(at::kFloat));
-  if (xc.numel() == 0) return {data, data_t, amax.zero_()};
-  fp8ops::QuantizeParams p{};
-  p.x = xc.data_ptr();
-  p.x_dtype = to_dtype(xc.scalar_type());
-  p.n = xc.numel();
-  p.cols = cols;
-  p.scale = s.data_ptr<float>();
-  p.out_dtype = to_dtype(dtype);
-  p.data = static_cast<uint8_t*>(data.data_ptr());
-  p.data_t = transpose ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
-  p.amax = amax.data_ptr<float>();
-  p.stochastic = stochastic;
-  p.seed = static_cast<uint64_t>(seed);  // two's complement bits, as the emulation's masks
-  p.offset = static_cast<uint64_t>(offset);
-  p.rng = rng_words;
-  fp8ops::launch_quantize(p, stream_of(xc));
-  return {data, data_t, amax};
+  auto [data, data_t] = cast_with(xc, s, dtype, transpose, stochastic, seed, offset, rng, amax);
+  return {data, data_t, amax};  // (quantize only reads rng: the fused ops advance it)
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType out_dtype) {
@@ -421,46 +449,6 @@ at::Tensor column_sums(const at::Tensor& xc, std::optional<at::ScalarType> sum_d
   return at::sum(xc.reshape({rows, cols}), {0}, false, at::kFloat).to(*sum_dtype);
 }
 
-// The cast itself with the scale on the device; amax_out receives max |x|.
-void launch_cast(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype, bool transpose,
-                 bool stochastic, int64_t seed, int64_t offset, const int64_t* rng_words, const at::Tensor& data,
-                 const at::Tensor& data_t, const at::Tensor& amax_out) {
-  auto [rows, cols] = rows_cols(xc);
-  fp8ops::QuantizeParams p{};
-  p.x = xc.data_ptr();
-  p.x_dtype = to_dtype(xc.scalar_type());
-  p.n = xc.numel();
-  p.cols = cols;
-  p.scale = scale.data_ptr<float>();
-  p.out_dtype = to_dtype(dtype);
-  p.data = static_cast<uint8_t*>(data.data_ptr());
-  p.data_t = transpose ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
-  p.amax = amax_out.data_ptr<float>();
-  p.stochastic = stochastic;
-  p.seed = static_cast<uint64_t>(seed);
-  p.offset = static_cast<uint64_t>(offset);
-  p.rng = rng_words;
-  fp8ops::launch_quantize(p, stream_of(xc));
-}
-
-// A stochastic cast with an rng buffer advances its offset by one after reading it.
-std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
-                                            bool transpose, bool stochastic, int64_t seed, int64_t offset,
-                                            const std::optional<at::Tensor>& rng, const at::Tensor& amax_out) {
-  const int64_t* rng_words = rng_ptr(rng, xc);
-  auto [rows, cols] = rows_cols(xc);
-  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
-  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
-  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
-  if (xc.numel() == 0) {
-    amax_out.zero_();
-  } else {
-    launch_cast(xc, scale, dtype, transpose, stochastic, seed, offset, rng_words, data, data_t, amax_out);
-  }
-  if (stochastic && rng) rng->narrow(0, 1, 1).add_(1);
-  return {data, data_t};
-}
-
 // out_scale / out_scale_inv of a cast: from amax (current scaling) or a copy of scale.
 void cast_scale(const float* amax, const float* scale, at::ScalarType dtype, double margin, bool power_of_two,
                 const at::Tensor& out_scale, const at::Tensor& out_scale_inv, cudaStream_t stream) {
@@ -475,11 +463,6 @@ void cast_scale(const float* amax, const float* scale, at::ScalarType dtype, dou
   fp8ops::launch_cast_scale(p, stream);
 }
 
-at::Tensor amax_into(const at::Tensor& xc, const at::Tensor& out) {
-  if (xc.numel() == 0) return out.zero_();
-  fp8ops::launch_amax({xc.data_ptr(), to_dtype(xc.scalar_type()), xc.numel(), out.data_ptr<float>()}, stream_of(xc));
-  return out;
-}
 
 FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, double margin, bool power_of_two,
                                 bool transpose, std::optional<at::ScalarType> sum_dtype, bool stochastic, int64_t seed,
@@ -493,6 +476,7 @@ FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, doubl
   amax_into(xc, amax);
   cast_scale(amax.data_ptr<float>(), nullptr, dtype, margin, power_of_two, scale, scale_inv, stream_of(xc));
   auto [data, data_t] = cast_with(xc, scale, dtype, transpose, stochastic, seed, offset, rng, amax);
+  advance_rng(stochastic, rng);
   return {data, data_t, scale, scale_inv, column_sums(xc, sum_dtype)};
 }
 
@@ -548,6 +532,7 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
   cast_scale(warm ? amax.data_ptr<float>() : nullptr, scale.data_ptr<float>(), dtype, margin, power_of_two, used,
              used_inv, stream);
   auto [data, data_t] = cast_with(xc, used, dtype, transpose, stochastic, seed, offset, rng, amax);
+  advance_rng(stochastic, rng);
   if (record) {
     fp8ops::launch_record_amax({amax.data_ptr<float>(), pending_amax.data_ptr<float>(),
                                 nonfinite_count.data_ptr<int64_t>()},

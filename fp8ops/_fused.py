@@ -37,11 +37,27 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, margin: float, power_o
                      rng: Optional[torch.Tensor] = None):
     """Current scaling: scale = max / (amax(x) * margin) (1.0 for an amax of 0 or not finite),
     then the cast."""
-    amax = _ops.amax(x)
-    scale = scale_from_amax(amax, torch.ones_like(amax), get_format(dtype).max, margin,
-                            power_of_two)
+    scale = own_scale(x, get_format(dtype).max, margin, power_of_two)
     data, data_t = cast(x, scale, dtype, transpose, stochastic, seed, offset, rng)[:2]
     return data, data_t, scale, torch.reciprocal(scale), column_sums(x, sum_dtype)
+
+
+def own_scale(x: torch.Tensor, fp8_max: float, margin: float, power_of_two: bool):
+    """Current scaling's scale of x: max / (amax(x) * margin), 1.0 for an amax of 0 or not
+    finite."""
+    amax = _ops.amax(x)
+    return scale_from_amax(amax, torch.ones_like(amax), fp8_max, margin, power_of_two)
+
+
+def step_role(amax_history, scale, scale_inv, amax_rep, pending_amax, step, fp8_max: float,
+              margin: float, interval: int, algo: str, ema_alpha: float, percentile: float,
+              power_of_two: bool) -> None:
+    """One step of a delayed-scaling role's state machine, in place: step += 1, then
+    ops.delayed_scale_update into the buffers (one multi-tensor copy: one kernel on a GPU)."""
+    step.add_(1)
+    outs = _ops.delayed_scale_update(amax_history, scale, amax_rep, pending_amax, step, fp8_max,
+                                     margin, interval, algo, ema_alpha, percentile, power_of_two)
+    torch._foreach_copy_([amax_history, scale, scale_inv, amax_rep, pending_amax], list(outs))
 
 
 def cast(x, scale, dtype, transpose, stochastic, seed, offset, rng):
@@ -68,14 +84,10 @@ def quantize_delayed(x: torch.Tensor, amax_history: torch.Tensor, scale: torch.T
     nonfinite_count instead)."""
     fp8_max = get_format(dtype).max
     if update:
-        step.add_(1)
-        outs = _ops.delayed_scale_update(amax_history, scale, amax_rep, pending_amax, step,
-                                         fp8_max, margin, interval, algo, ema_alpha, percentile,
-                                         power_of_two)
-        torch._foreach_copy_([amax_history, scale, scale_inv, amax_rep, pending_amax], list(outs))
+        step_role(amax_history, scale, scale_inv, amax_rep, pending_amax, step, fp8_max, margin,
+                  interval, algo, ema_alpha, percentile, power_of_two)
     if warm:
-        amax = _ops.amax(x)
-        used = scale_from_amax(amax, torch.ones_like(amax), fp8_max, margin, power_of_two)
+        used = own_scale(x, fp8_max, margin, power_of_two)
     else:
         used = scale.clone()  # a copy: the buffer changes before backward uses it
     data, data_t, x_amax = cast(x, used, dtype, transpose, stochastic, seed, offset, rng)

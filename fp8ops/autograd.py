@@ -87,7 +87,6 @@ def _fusable(role, recipe, shards, warm: bool) -> bool:
     return role.shard_mesh is None and not (warm and _distributed())
 
 
-@torch.no_grad()
 def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False,
                     warm: bool = False, record: bool = False, sum_dtype=None, rng=None,
                     shards=None, state: Optional[ScalingState] = None, name: str = ""):
@@ -97,7 +96,8 @@ def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False
     sum_dtype: also the sums over x's rows in that dtype (a bias gradient). rng: round
     stochastically with this random stream (ScalingState.rng), advanced on the device. One op
     call when nothing crosses processes (ops.quantize_current / quantize_delayed), else the
-    unfused ops. state, name: the ScalingState and the role's name in it (delayed scaling)."""
+    unfused ops. state, name: the ScalingState and the role's name in it (delayed scaling).
+    (No autograd here: the ops' outputs carry none, and the column sums are taken in backward.)"""
     stochastic = rng is not None
     if _fusable(role, recipe, shards, warm):
         if role is not None and _distributed():
@@ -121,7 +121,7 @@ def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False
     data, data_t, amax = _fused.cast(x, scale, fmt.dtype, True, stochastic, 0, 0, rng)
     if record:
         role.record(amax, recipe.process_group)
-    sums = None if sum_dtype is None else x.sum(0, dtype=_F32).to(sum_dtype)
+    sums = None if sum_dtype is None else _fused.column_sums(x, sum_dtype)
     return data, data_t, scale, torch.reciprocal(scale), sums
 
 
@@ -161,7 +161,7 @@ def _wgrad(weight: torch.Tensor, gemm) -> Optional[torch.Tensor]:
 def _bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor], needed: bool):
     if bias is None or not needed:
         return None
-    return dy2.sum(0, dtype=_F32).to(bias.dtype)
+    return _fused.column_sums(dy2, bias.dtype)
 
 
 def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from . import weight_cache
 from ._checks import check_int, check_int64
 from ._emulation import scale_from_amax
-from ._fused import record_amax
+from ._fused import record_amax, step_role
 from .formats import get_format
 
 AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
@@ -255,15 +255,11 @@ class RoleState(nn.Module):
     def update(self, recipe: DelayedScaling, fmt, margin: Optional[float] = None) -> None:
         """One step of the state machine; margin defaults to the recipe's (the grad role passes
         grad_margin). (ops.quantize_delayed does the same inside a cast.)"""
-        self.step.add_(1)
-        outs = torch.ops.fp8ops.delayed_scale_update(
-            self.amax_history, self.scale, self.amax_rep, self.pending_amax, self.step,
-            get_format(fmt).max, recipe.margin if margin is None else margin, recipe.interval,
-            recipe.amax_compute_algo,
-            recipe.ema_alpha, recipe.percentile, recipe.power_of_two)
-        # one multi-tensor copy (a GPU launches one kernel for all five, not five)
-        torch._foreach_copy_([self.amax_history, self.scale, self.scale_inv, self.amax_rep,
-                              self.pending_amax], list(outs))
+        step_role(self.amax_history, self.scale, self.scale_inv, self.amax_rep,
+                  self.pending_amax, self.step, get_format(fmt).max,
+                  recipe.margin if margin is None else margin, recipe.interval,
+                  recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile,
+                  recipe.power_of_two)
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor, process_group=None) -> None:

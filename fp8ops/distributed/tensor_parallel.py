@@ -216,6 +216,18 @@ def _global(local: torch.Tensor, mesh, placement, shape) -> DTensor:
 # ----------------------------------------------------------------------------------------------
 # the styles
 # ----------------------------------------------------------------------------------------------
+def _shard_module(style, module: nn.Module, device_mesh, dim: int, bias_placement) -> nn.Module:
+    """Check and shard module's weight along `dim` (0: out_features, 1: in_features) over the
+    1-D device_mesh, its bias as bias_placement, and install the style's forward."""
+    name = type(style).__name__
+    _check_mesh(device_mesh, name)
+    _check_module(module, name)
+    features = ("out_features", "in_features")[dim]
+    _check_blocks(module.recipe, getattr(module, features), device_mesh.size(), features, name)
+    _partition(module, device_mesh, dim, bias_placement, style.src_data_rank, style.SHARDED)
+    return _install(style, module, device_mesh)
+
+
 class FP8ColwiseParallel(ColwiseParallel):
     """torch's ColwiseParallel for fp8ops.FP8Linear (same arguments: input_layouts,
     output_layouts, use_local_output). The weight and bias are sharded along out_features; the
@@ -224,13 +236,7 @@ class FP8ColwiseParallel(ColwiseParallel):
     SHARDED = ("weight", "grad")  # the roles whose tensors the ranks hold in shards
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        style = type(self).__name__
-        _check_mesh(device_mesh, style)
-        _check_module(module, style)
-        _check_blocks(module.recipe, module.out_features, device_mesh.size(), "out_features",
-                      style)
-        _partition(module, device_mesh, 0, Shard(0), self.src_data_rank, self.SHARDED)
-        return _install(self, module, device_mesh)
+        return _shard_module(self, module, device_mesh, 0, Shard(0))
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -265,14 +271,8 @@ class FP8RowwiseParallel(RowwiseParallel):
     SHARDED = ("weight", "input")
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        style = type(self).__name__
-        _check_mesh(device_mesh, style)
-        _check_module(module, style)
-        _check_blocks(module.recipe, module.in_features, device_mesh.size(), "in_features",
-                      style)
         self.desired_input_layouts = (Shard(-1),)
-        _partition(module, device_mesh, 1, Replicate(), self.src_data_rank, self.SHARDED)
-        return _install(self, module, device_mesh)
+        return _shard_module(self, module, device_mesh, 1, Replicate())
 
     def _local_forward(self, module: FP8Linear, x: DTensor) -> DTensor:
         _prepare_weight(module, self.SHARDED)
