@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import _fused, cast_stats
+from . import _fused, amax_reduction, cast_stats
 from .scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
 
 _ops = torch.ops.fp8ops
@@ -78,8 +78,8 @@ def _distributed() -> bool:
 def _fusable(role, recipe, shards, warm: bool) -> bool:
     """Whether a cast's scale math and amax bookkeeping can run inside its op: not when an amax
     must cross processes first (a sharded tensor, a warm start under torch.distributed) or is a
-    percentile. (Under torch.distributed a delayed-scaling role records on its rank and the
-    layer's records are reduced once per step: ScalingState.reduce_records.)"""
+    percentile. (Under torch.distributed a delayed-scaling role records on its rank, and one
+    all-reduce at the end of the backward pass folds every layer's records: amax_reduction.)"""
     if shards is not None:
         return False
     if role is None:
@@ -211,7 +211,8 @@ class PerTensorLinear(torch.autograd.Function):
             dy2, state.grad if delayed else None, ctx.bwd, recipe, grad_margin(recipe),
             update=stepping, warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype, rng=rng,
             shards=_shards(state, "grad"), state=state, name="grad")
-        if stepping and state.needs_reduce():  # the layer's one all-reduce of the step
+        # the step's all-reduce: one for every layer at the end of the backward pass
+        if stepping and state.needs_reduce() and not amax_reduction.defer(state):
             state.reduce_records()
         if ctx.sampled:
             cast_stats.observe(state, "grad", cast_stats.per_tensor_stats(dy2, gq, g_scale))

@@ -7,9 +7,9 @@ Delayed scaling, per scaled tensor ("role": input, weight, grad):
   record()  after the cast: pending = max(pending, amax of the cast input); a non-finite amax is
             counted in `nonfinite_count` and never enters the history.
 Under torch.distributed the casts of a training step record their amaxes locally, and one MAX
-all-reduce over the recipe's process group per layer and step (ScalingState.reduce_records, at
-the end of the layer's backward) folds every rank's in, so every buffer is identical on every
-rank between steps: DDP's buffer broadcast and a checkpoint written by rank 0 lose nothing. A role
+all-reduce over the recipe's process group at the end of the backward pass folds every rank's
+records of every layer in (amax_reduction), so every buffer is identical on every rank between
+steps: DDP's buffer broadcast and a checkpoint written by rank 0 lose nothing. A role
 that steps with records of its own not yet reduced reduces first. record() itself, used where a
 cast cannot record locally (a warm start, tensor parallelism), all-reduces at once. A tensor
 sharded by tensor parallelism (ScalingState.shard_over) has its amax all-reduced over the shards
@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
-from . import weight_cache
+from . import amax_reduction, weight_cache
 from ._checks import check_int, check_int64
 from ._emulation import scale_from_amax
 from ._fused import record_amax, step_role
@@ -403,20 +403,10 @@ class ScalingState(nn.Module):
         """Whether `role` (any role: None) holds records not yet reduced over the ranks."""
         return bool(self._unreduced) if role is None else role in self._unreduced
 
-    @torch.no_grad()
     def reduce_records(self) -> None:
-        """One MAX all-reduce, over the recipe's process group, of every role's pending amax and
-        non-finite count: each rank's records folded into all. Between reductions a role's
-        records on one rank can only raise these, from values that were equal on every rank, so
-        the MAX is the pending amax of all ranks' finite amaxes, and the count grows by the most
-        non-finite casts any rank saw (by one per step: any rank's)."""
-        roles = [getattr(self, r) for r in self.ROLES]
-        bufs = [r.pending_amax for r in roles] + [r.nonfinite_count for r in roles]
-        packed = torch.stack([b.double() for b in bufs])  # exact: float32 values, counts < 2^53
-        torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX,
-                                     group=self.recipe.process_group)
-        torch._foreach_copy_(bufs, list(packed.unbind()))
-        self._unreduced = set()
+        """Fold every rank's records of this layer in now: one MAX all-reduce over the recipe's
+        process group (amax_reduction.reduce_states)."""
+        amax_reduction.reduce_states([self])
 
     @property
     def weight_generation(self) -> int:

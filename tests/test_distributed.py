@@ -4,8 +4,8 @@ write their results to files; the assertions run here, in the pytest process.
 
 The model is Linear(32, 64) -> GELU -> Linear(64, 16), both FP8Linear with DelayedScaling. Rank r
 scales its inputs by (1 + 3r), so the ranks see different amax and only the all-reduce (MAX) of
-the recorded amaxes (ScalingState.reduce_records, once per layer and step) can make their scales
-agree. DDP runs with its defaults (buffers broadcast from rank 0 before every forward): that is
+the recorded amaxes (one per backward pass for every layer: fp8ops.amax_reduction) can make their
+scales agree. DDP runs with its defaults (buffers broadcast from rank 0 before every forward): that is
 harmless only because every fp8 buffer is identical on every rank between steps."""
 from __future__ import annotations
 
@@ -193,34 +193,37 @@ def _fsdp_single_worker(rank, out_dir):
 
 def _reduce_once_worker(rank, out_dir):
     """DelayedScaling layers trained with ranks on different data (no DDP): the all-reduces
-    fp8ops makes per step, the states after each, and two edge cases: a training-mode forward
-    with no backward before the next step, and a NaN on one rank only."""
+    fp8ops makes per step, the states after each, and the edge cases: a training-mode forward
+    with no backward before the next step, a NaN on one rank only, two models over two process
+    groups in one backward, a backward that raises halfway, and activation checkpointing."""
     model = make_model()
     opt = make_opt(model)
     calls = []
     real = dist.all_reduce
 
     def counting(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("group"))
         return real(*args, **kwargs)
+
+    def step(s, *models, scale=1.0):
+        before = len(calls)
+        x, y = local_batch(s, rank)
+        sum(F.mse_loss(m(x * scale), y) for m in models).backward()
+        return calls[before:]
 
     dist.all_reduce = counting  # fp8ops calls torch.distributed.all_reduce
     res = {"counts": [], "states": []}
     try:
         for s in range(4):
-            before = len(calls)
-            x, y = local_batch(s, rank)
-            F.mse_loss(model(x), y).backward()
+            res["counts"].append(len(step(s, model)))
             opt.step()
             opt.zero_grad()
-            res["counts"].append(len(calls) - before)
             res["states"].append(fp8_states(model))
         x, _ = local_batch(10, rank)
         with torch.no_grad():
             model(x)  # records the input amax; no backward reduces it
         res["no_backward_amax"] = x.abs().max().item()
-        x, y = local_batch(11, rank)
-        F.mse_loss(model(x * 0.01), y).backward()  # its input update must see both ranks'
+        step(11, model, scale=0.01)  # its input update must see both ranks'
         opt.zero_grad()
         res["after_no_backward"] = fp8_states(model)
         x, y = local_batch(12, rank)
@@ -228,9 +231,40 @@ def _reduce_once_worker(rank, out_dir):
             x[0, 0] = float("nan")
         F.mse_loss(model(x), y).backward()
         res["after_nan"] = fp8_states(model)
+        opt.zero_grad()
+        # a second model over its own process group (same ranks), in the same backward
+        other = make_model(process_group=dist.new_group([0, 1]))
+        step(13, model, other)  # its warm start
+        groups = step(14, model, other)
+        res["two_groups"] = [len(groups), len({id(g) for g in groups})]
+        res["two_groups_states"] = fp8_states(model), fp8_states(other)
+        # a backward that raises after the last layer's ran, on every rank
+        x, y = local_batch(15, rank)
+        h = model[1].register_forward_hook(_raise_in_backward)
+        try:
+            F.mse_loss(model(x), y).backward()
+            res["raised"] = False
+        except RuntimeError as e:
+            res["raised"] = "halfway" in str(e)
+        h.remove()
+        before = len(calls)
+        step(16, model)
+        res["after_raise"] = [len(calls) - before, fp8_states(model)]
+        # activation checkpointing (the re-entrant kind runs an inner backward)
+        from torch.utils.checkpoint import checkpoint
+        before = len(calls)
+        x, y = local_batch(17, rank)
+        F.mse_loss(checkpoint(model, x.requires_grad_(), use_reentrant=True), y).backward()
+        res["reentrant"] = [len(calls) - before, fp8_states(model)]
     finally:
         dist.all_reduce = real
     return res
+
+
+def _raise_in_backward(module, inputs, out):
+    def fail(grad):
+        raise RuntimeError("halfway")
+    out.register_hook(fail)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,22 +306,40 @@ def test_ddp_scaling_state_identical_across_ranks(ddp):
         assert r0["state"][f"2.fp8_state.{role}.amax_history"][:STEPS - 1].min() > 0, role
 
 
-def test_one_amax_all_reduce_per_layer_and_step():
-    """The casts record on their rank; one all-reduce per layer per step (after the warm start,
-    whose casts all-reduce their own amax) folds the ranks' records in, and every buffer agrees
-    across ranks after each step; a forward with no backward is reduced before its role steps
-    again, and a NaN on one rank is counted on both."""
-    r0, r1 = spawn(_reduce_once_worker)
-    assert r0["counts"][1:] == [2, 2, 2] == r1["counts"][1:], r0["counts"]  # two layers
+@pytest.fixture(scope="module")
+def reduce_once():
+    return spawn(_reduce_once_worker)
+
+
+def test_one_amax_all_reduce_per_step_for_all_layers(reduce_once):
+    """The casts record on their rank; one all-reduce at the end of each backward pass (after
+    the warm start, whose casts all-reduce their own amax) folds every layer's records in, and
+    every buffer agrees across ranks after each step."""
+    r0, r1 = reduce_once
+    assert r0["counts"][1:] == [1, 1, 1] == r1["counts"][1:], r0["counts"]  # two layers, one
     assert r0["counts"][0] > 2  # the warm start
     for a, b in zip(r0["states"], r1["states"]):
         _assert_same_state([a, b])
+
+
+def test_reduction_edge_cases(reduce_once):
+    """A forward with no backward is reduced before its role steps again; a NaN on one rank is
+    counted on both; two process groups make one all-reduce each; a backward that raised
+    leaves its records to the roles' next steps; re-entrant checkpointing stays in step."""
+    r0, r1 = reduce_once
     _assert_same_state([r0["after_no_backward"], r1["after_no_backward"]])
     slot0 = r0["after_no_backward"]["0.fp8_state.input.amax_history"][0].item()
     assert slot0 == max(r0["no_backward_amax"], r1["no_backward_amax"])
     _assert_same_state([r0["after_nan"], r1["after_nan"]])
     key = "0.fp8_state.input.nonfinite_count"
     assert int(r0["after_nan"][key]) == int(r0["after_no_backward"][key]) + 1
+    assert r0["two_groups"] == [2, 2] == r1["two_groups"]
+    for i in range(2):
+        _assert_same_state([r0["two_groups_states"][i], r1["two_groups_states"][i]])
+    assert r0["raised"] and r1["raised"]
+    _assert_same_state([r0["after_raise"][1], r1["after_raise"][1]])
+    _assert_same_state([r0["reentrant"][1], r1["reentrant"][1]])
+    assert r0["reentrant"][0] == r1["reentrant"][0] >= 1
 
 
 # Tolerance for DP vs single-process losses. Both runs cast bit-identical FP8 operands at first:
