@@ -1,0 +1,43 @@
+"""bench/bench_cast.py runs end to end on the CPU (--smoke), every op and fused cast in its
+table, and the bytes it credits each op with are the bytes the op really reads and writes (its
+input, every output; plus a scale it reads), so that its GB/s and "vs copy" ratios on a GPU are
+honest. The timings of a smoke run mean nothing."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from test_bench_linear import ROOT, run_smoke
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_cast  # noqa: E402
+
+FUSED = ["fused current (+T)", "fused current (+T, + dbias)", "fused delayed (+T)",
+         "fused blockwise pair", "fused mx pair (1x32)"]
+
+
+def test_bytes_credited_are_the_bytes_moved():
+    x = torch.randn(253, 512, dtype=torch.bfloat16) * 3 + 0.5  # ragged rows: padded copies count
+    scale = torch.tensor(448.0 / float(x.float().abs().max()))
+    cases = bench_cast._cases(x, scale)
+    assert set(FUSED) <= set(cases)
+    for name, (fn, _, nbytes, unfused) in cases.items():
+        outs = [t for t in tree_leaves(fn()) if isinstance(t, torch.Tensor)]
+        moved = x.nbytes + sum(t.numel() * t.element_size() for t in outs)
+        assert 0 <= nbytes - moved <= 8, (name, nbytes, moved)  # (+ a float32 scale read)
+        assert (unfused is not None) == (name in FUSED), name
+
+
+def test_bench_cast_smoke(tmp_path):
+    stdout = run_smoke("bench_cast.py", tmp_path)
+    table = (tmp_path / "cast.md").read_text()
+    assert table in stdout and "not a measurement" in table
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| 1 ")]
+    names = [r[1].strip() for r in rows]
+    assert names[0] == "d2d copy" and set(FUSED) <= set(names) and len(names) == 13, names
+    for r in rows:
+        assert float(r[2]) > 0, r  # every op ran and was timed
+        assert bool(r[6].strip()) == (r[1].strip() in FUSED), r  # the unfused column
