@@ -19,6 +19,27 @@ def require_gpu() -> None:
         raise SystemExit("no CUDA GPU visible: these benchmarks need one (torch.cuda.is_available() is False)")
 
 
+def add_smoke_options(ap, smoke_help: str) -> None:
+    """--device (cuda, or cpu for a smoke run), --smoke and --out, as every training benchmark
+    takes them."""
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    ap.add_argument("--out", default=None,
+                    help="results folder (default bench/results; a smoke run writes only here)")
+
+
+def results_dir(args, default: str):
+    """Check --device against --smoke (CPU timings of the emulation say nothing about the GPU
+    path: the CPU runs only smoke runs) and return where results go: `default`, --out, or
+    nowhere (None) for a smoke run without --out."""
+    if args.device == "cuda":
+        require_gpu()
+    elif not args.smoke:
+        raise SystemExit("--device cpu only with --smoke: CPU timings of the emulation say "
+                         "nothing about the GPU path")
+    return args.out or (None if args.smoke else default)
+
+
 def flush_l2(nbytes: int = 256 << 20) -> None:
     """Evict the L2 cache by writing a 256 MB buffer (larger than any current L2)."""
     dev = torch.cuda.current_device()

@@ -31,8 +31,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import (device_info, error_text, interleaved, require_gpu,  # noqa: E402
-                     write_table)
+from _timing import (add_smoke_options, device_info, error_text, interleaved,  # noqa: E402
+                     results_dir, write_table)
 from bench_comm import LlamaBlock  # noqa: E402
 
 RECIPES = ("current", "delayed", "mxfp8", "blockwise")
@@ -104,25 +104,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--modes", default=",".join(MODES), help="eager, graph (CUDA only)")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny block (hidden 64, ffn 128, 4 heads, 2 KV heads, seq 32), 1 round "
-                         "of 2 steps: checks the script runs, measures nothing")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default bench/results; a smoke run writes only here)")
+    add_smoke_options(ap, "tiny block (hidden 64, ffn 128, 4 heads, 2 KV heads, seq 32), 1 "
+                          "round of 2 steps: checks the script runs, measures nothing")
     args = ap.parse_args(argv)
     dims = LLAMA3_8B
     if args.smoke:
         dims, args.seq, args.rounds, args.iters, args.warmup = SMOKE, 32, 1, 2, 1
     modes = [m for m in args.modes.split(",") if m]
-    if args.device == "cuda":
-        require_gpu()
-    else:
-        if not args.smoke:
-            raise SystemExit("--device cpu only with --smoke: CPU timings of the emulation say "
-                             "nothing about the GPU path")
+    out_dir = results_dir(args, os.path.join(HERE, "results"))
+    if args.device != "cuda":
         modes = [m for m in modes if m != "graph"]  # CUDA graphs need a GPU
-    out_dir = args.out or (None if args.smoke else os.path.join(HERE, "results"))
 
     dev = args.device
     torch.manual_seed(0)

@@ -21,7 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_info, require_gpu, time_cuda, time_step  # noqa: E402
+from _timing import (add_smoke_options, device_info, results_dir, time_cuda,  # noqa: E402
+                     time_step)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 E4M3 = torch.float8_e4m3fn
@@ -112,18 +113,10 @@ def main():
     ap.add_argument("--compile-mb", default="1,16,256",
                     help="input sizes (MB) at which torch.compile of the emulation is timed too "
                          "(each size compiles anew)")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--smoke", action="store_true",
-                    help="one small input, 2 iterations, no torch.compile: the script runs end "
-                         "to end (on the CPU: the emulation); not a measurement")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default bench/results; a smoke run writes only here)")
+    add_smoke_options(ap, "one small input, 2 iterations, no torch.compile: the script runs end "
+                          "to end (on the CPU: the emulation); not a measurement")
     args = ap.parse_args()
-    if args.device == "cuda":
-        require_gpu()
-    elif not args.smoke:
-        raise SystemExit("--device cpu only with --smoke: CPU timings of the emulation say "
-                         "nothing about the kernels")
+    out_dir = results_dir(args, os.path.join(HERE, "results"))
     from fp8ops import _backend
 
     import fp8ops  # noqa: F401
@@ -191,7 +184,6 @@ def main():
         lines.append(f"| {mb} | {name} | {t:.4f} | {gbs:.0f} | {ratio:.2f} | {emu_s} | {unfused_s} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    out_dir = args.out or (None if args.smoke else os.path.join(HERE, "results"))
     if out_dir is None:
         return
     os.makedirs(out_dir, exist_ok=True)

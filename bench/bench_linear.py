@@ -26,8 +26,8 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import (device_info, error_text, interleaved, require_gpu,  # noqa: E402
-                     write_table)
+from _timing import (add_smoke_options, device_info, error_text, interleaved,  # noqa: E402
+                     results_dir, write_table)
 
 SHAPES = [  # (M, K, N): tokens, in_features, out_features
     (16384, 8192, 7168), (16384, 8192, 1280), (16384, 4096, 14336), (8192, 4096, 4096),
@@ -87,20 +87,11 @@ def main(argv=None) -> list:
     ap.add_argument("--iters", type=int, default=10, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     ap.add_argument("--recipes", default=",".join(RECIPES))
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, 1 round of 2 steps: checks that it runs, measures nothing")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default bench/results; a smoke run writes only here)")
+    add_smoke_options(ap, "tiny shapes, 1 round of 2 steps: checks that it runs, measures nothing")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rounds, args.iters, args.warmup = 1, 2, 1
-    if args.device == "cuda":
-        require_gpu()
-    elif not args.smoke:
-        raise SystemExit("--device cpu only with --smoke: CPU timings of the emulation say "
-                         "nothing about the GPU path")
-    out_dir = args.out or (None if args.smoke else os.path.join(HERE, "results"))
+    out_dir = results_dir(args, os.path.join(HERE, "results"))
 
     dev = args.device
     info = device_info(dev)
