@@ -1,8 +1,9 @@
 """One amax all-reduce per backward pass for every delayed-scaling layer under torch.distributed.
 
-A delayed-scaling cast records its amax on its own rank (ScalingState.record_locally). The
-records of every layer whose backward ran are folded across the ranks by one MAX all-reduce per
-process group, run when the backward pass ends (an autograd engine callback of the running
+A delayed-scaling cast records its amax on its own rank (ScalingState.record_locally), a shard
+of a tensor-parallel tensor too. The records of every layer whose backward ran are folded across
+the ranks by one MAX all-reduce per process group (plus one over the TP mesh where the group
+leaves out the other shards), run when the backward pass ends (an autograd engine callback of the running
 graph task), instead of one per layer: a transformer of L layers makes 1 small collective per
 step, not 7 L, and the step's latency no longer grows with depth.
 
@@ -37,17 +38,36 @@ def reduce_states(states) -> None:
         group = state.recipe.process_group
         groups.setdefault(id(group), (group, []))[1].append(state)
     for group, members in groups.values():
-        bufs = []
-        for state in members:
-            roles = [getattr(state, r) for r in state.ROLES]
-            bufs += [r.pending_amax for r in roles] + [r.nonfinite_count for r in roles]
-        # float64 is exact for both: float32 values and counts below 2^53
-        packed = torch.stack([b.double() for b in bufs])
-        torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX, group=group)
-        with torch.no_grad():
-            torch._foreach_copy_(bufs, list(packed.unbind()))
+        _all_reduce_max([_buffers(s) for s in members], group)
+        if group is not None:
+            # a role sharded by tensor parallelism over ranks outside the process group: a
+            # second all-reduce over the shards' group (MAX of MAXes: every rank's records)
+            sharded: "dict[int, tuple]" = {}
+            for state in members:
+                for mesh in state.shard_meshes.values():
+                    shard_group = mesh.get_group()
+                    if shard_group is not group:
+                        entry = sharded.setdefault(id(shard_group), (shard_group, []))
+                        if not any(s is state for s in entry[1]):
+                            entry[1].append(state)
+            for shard_group, sharded_states in sharded.values():
+                _all_reduce_max([_buffers(s) for s in sharded_states], shard_group)
         for state in members:
             state._unreduced = set()
+
+
+def _buffers(state) -> list:
+    roles = [getattr(state, r) for r in state.ROLES]
+    return [r.pending_amax for r in roles] + [r.nonfinite_count for r in roles]
+
+
+def _all_reduce_max(buffer_lists, group) -> None:
+    bufs = [b for bs in buffer_lists for b in bs]
+    # float64 is exact for both: float32 values and counts below 2^53
+    packed = torch.stack([b.double() for b in bufs])
+    torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX, group=group)
+    with torch.no_grad():
+        torch._foreach_copy_(bufs, list(packed.unbind()))
 
 
 def defer(state) -> bool:

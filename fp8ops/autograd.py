@@ -77,14 +77,14 @@ def _distributed() -> bool:
 
 def _fusable(role, recipe, shards, warm: bool) -> bool:
     """Whether a cast's scale math and amax bookkeeping can run inside its op: not when an amax
-    must cross processes first (a sharded tensor, a warm start under torch.distributed) or is a
-    percentile. (Under torch.distributed a delayed-scaling role records on its rank, and one
-    all-reduce at the end of the backward pass folds every layer's records: amax_reduction.)"""
-    if shards is not None:
-        return False
+    must cross processes before the cast (current scaling of a tensor sharded by tensor
+    parallelism, a delayed-scaling warm start under torch.distributed) or is a percentile.
+    (Under torch.distributed a delayed-scaling role records on its rank, sharded or not, and
+    one all-reduce at the end of the backward pass folds every layer's records:
+    amax_reduction.)"""
     if role is None:
-        return getattr(recipe, "amax_percentile", None) is None
-    return role.shard_mesh is None and not (warm and _distributed())
+        return shards is None and getattr(recipe, "amax_percentile", None) is None
+    return not (warm and _distributed())
 
 
 def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False,

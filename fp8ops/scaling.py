@@ -11,7 +11,7 @@ all-reduce over the recipe's process group at the end of the backward pass folds
 records of every layer in (amax_reduction), so every buffer is identical on every rank between
 steps: DDP's buffer broadcast and a checkpoint written by rank 0 lose nothing. A role
 that steps with records of its own not yet reduced reduces first. record() itself, used where a
-cast cannot record locally (a warm start, tensor parallelism), all-reduces at once. A tensor
+cast cannot record locally (a warm start under torch.distributed), all-reduces at once. A tensor
 sharded by tensor parallelism (ScalingState.shard_over) has its amax all-reduced over the shards
 too, for every recipe, so that each shard is cast with the scale of the whole tensor.
 """

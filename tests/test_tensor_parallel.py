@@ -209,12 +209,14 @@ def _tp_worker(rank, out_dir):
 
     tensor_parallel._all_gather_bytes = counting_gather
     tensor_parallel._Gathered.linear = counting_read
-    res = {"tp": {}, "sp": {}, "fp8_gathers": {}, "dtensor_after_import": DTENSOR_AFTER_IMPORT}
+    res = {"tp": {}, "sp": {}, "fp8_gathers": {}, "all_reduces": {},
+           "dtensor_after_import": DTENSOR_AFTER_IMPORT}
     for name, recipe in RECIPES.items():
         if name == "delayed_own_group":
             recipe = fp8ops.DelayedScaling(amax_history_len=4, process_group=own_group)
         model = parallelize_module(make_model(recipe), mesh, tp_plan())
         res["tp"][name] = train(model)
+        res["all_reduces"][name] = _all_reduces_of_a_step(model)
         counts.update(gathers=0, reads=0)
         model = parallelize_module(make_model(recipe), mesh, tp_plan(sequence=True))
         res["sp"][name] = train(model, rank=rank)
@@ -236,6 +238,29 @@ def _tp_worker(rank, out_dir):
     res["manual"] = train(model, manual=True)
     res["errors"] = _errors(mesh)
     return res
+
+
+def _all_reduces_of_a_step(model):
+    """The torch.distributed.all_reduce calls fp8ops makes in one more training step (forward,
+    backward) of a trained model (DTensor's own collectives are functional ones, not these),
+    and whether the FP8 state is then the same on every rank."""
+    calls, real = [], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        x, g = batch(STEPS, 0)
+        (model(x) * g).sum().backward()
+    finally:
+        dist.all_reduce = real
+    state = torch.cat([v.double().flatten() for k, v in model.state_dict().items()
+                       if ".fp8_state." in k])
+    states = [torch.empty_like(state) for _ in range(WORLD)]
+    dist.all_gather(states, state)
+    return len(calls), all(torch.equal(states[0], t) for t in states)
 
 
 def _fsdp_tp_worker(rank, out_dir):
@@ -434,6 +459,19 @@ def test_fsdp2_over_tp_matches_one_process(reference):
             for i, ops in enumerate(ref["ops"]):
                 _assert_within(run["y"][i], ref["y"][i],
                                tp_bound(ops["h"], ops["w2"], ref["b2"][i]), f"y[{i}]")
+
+
+def test_one_amax_all_reduce_per_step(tp_runs):
+    """DelayedScaling under TP: every cast records on its rank (sharded tensors too) and one
+    all-reduce at the end of the backward pass folds the records of both layers (two when the
+    recipe's process group leaves out the other shards: one over it, one over the TP mesh);
+    every buffer then agrees across ranks. Current scaling all-reduces each sharded amax before
+    its cast: it cannot wait."""
+    for rank_res in tp_runs:
+        counts = rank_res["all_reduces"]
+        assert counts["delayed"] == (1, True), counts
+        assert counts["delayed_own_group"] == (2, True), counts
+        assert counts["current"][0] > 2, counts
 
 
 def test_import_does_not_load_dtensor(tp_runs):
