@@ -155,11 +155,13 @@ def render(rows, names, info, args) -> str:
                      " | ".join(cell_ratio(row, r) for r in names) + " |")
     lines.append("| geomean | | | | " +
                  " | ".join(geomean_cell([ratio(row, r) for _, row in rows]) for r in names) + " |")
-    for recipe in ("current", "delayed"):
-        if recipe in names:
-            rule = crossover([(shape, ratio(row, recipe)) for shape, row in rows])
-            lines += ["", f"Crossover that keeps every measured {recipe} shape at >= 1.0x bf16 "
-                      f"(the measured shapes only; fp8ops.fallback.MEASURED): {rule}"]
+    lines += ["", "Crossovers that keep every measured shape of a recipe at >= 1.0x bf16 (the "
+              "measured shapes only), as rows of fp8ops.fallback.MEASURED:", ""]
+    kinds = recipes()
+    for recipe in names:
+        rule = crossover([(shape, ratio(row, recipe)) for shape, row in rows])
+        key = (info["device"], type(kinds[recipe]).__name__)
+        lines.append(f"    {key!r}: {rule},")
     return "\n".join(lines) + "\n"
 
 

@@ -3,13 +3,15 @@
 A layer call multiplies [M, K] by [N, K] (M tokens, K in_features, N out_features). FP8 saves GEMM
 time in proportion to M*K*N and pays for its casts and their launches in proportion to M*K + M*N
 and per call; below some size it is slower than bf16. A Crossover says from which size a layer
-runs FP8; `MEASURED` holds the one measured on each GPU model (bench/bench_linear.py prints the
-speed-up of every recipe per shape and the Crossover that keeps every measured shape at >= 1.0x
-bf16: a row here).
+runs FP8; `MEASURED` holds the one measured on each GPU model for each recipe (they differ: a
+block recipe casts more per call, and MXFP8 on Hopper multiplies on bf16 tensor cores).
+bench/bench_linear.py prints the speed-up of every recipe per shape and, per recipe, the
+Crossover that keeps every measured shape at >= 1.0x bf16: the rows here.
 
 FP8Linear(fallback=...) / convert_to_fp8(fallback=...):
-  "auto"     the crossover measured on the layer's GPU (none measured: FP8 always; the CPU
-             emulation is the numerics reference, never a speed path: FP8 always)
+  "auto"     the crossover measured on the layer's GPU for its recipe (none measured: FP8
+             always; the CPU emulation is the numerics reference, never a speed path: FP8
+             always)
   "never"    FP8 always
   Crossover  this rule, on any device (a CPU test can exercise the fallback)
 A call that falls back is nn.Linear's: no cast, no amax recorded, delayed scaling does not step,
@@ -45,9 +47,10 @@ class Crossover:
         return m >= self.min_tokens and k >= self.min_in_features and n >= self.min_out_features
 
 
-# GPU model (torch.cuda.get_device_name) -> its measured crossover. Nothing measured yet with the
-# fused casts (bench/RESULTS.md): "auto" runs FP8 everywhere until rows are added here.
-MEASURED: "dict[str, Crossover]" = {}
+# (GPU model as torch.cuda.get_device_name gives it, recipe class name) -> the crossover measured
+# there, e.g. ("NVIDIA H100 80GB HBM3", "CurrentScaling"). Nothing measured yet with the fused
+# casts (bench/RESULTS.md): "auto" runs FP8 everywhere until rows are added here.
+MEASURED: "dict[tuple[str, str], Crossover]" = {}
 
 Fallback = Union[str, Crossover]
 
@@ -63,19 +66,19 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def crossover(fallback: Fallback, device: torch.device):
-    """The Crossover that applies on `device` (None: FP8 always)."""
+def crossover(fallback: Fallback, device: torch.device, recipe):
+    """The Crossover that applies to a layer of `recipe` on `device` (None: FP8 always)."""
     if isinstance(fallback, Crossover):
         return fallback
     if fallback == "never" or device.type != "cuda":
         return None
-    return MEASURED.get(_device_name(device.index if device.index is not None
-                                     else torch.cuda.current_device()))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return MEASURED.get((_device_name(index), type(recipe).__name__))
 
 
-def runs_fp8(fallback: Fallback, input: torch.Tensor, in_features: int,
+def runs_fp8(fallback: Fallback, recipe, input: torch.Tensor, in_features: int,
              out_features: int) -> bool:
-    rule = crossover(fallback, input.device)
+    rule = crossover(fallback, input.device, recipe)
     if rule is None:
         return True
     tokens = input.numel() // in_features if in_features else 0

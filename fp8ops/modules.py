@@ -124,7 +124,7 @@ class FP8Linear(nn.Linear):
         state = self.fp8_state
         if is_dtensor(weight) or is_gathered(weight) or state.host_weight is not None:
             return True
-        return runs_fp8(self.fallback, input, self.in_features, self.out_features)
+        return runs_fp8(self.fallback, self.recipe, input, self.in_features, self.out_features)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe=None, *, fp8_all_gather: bool = True,

@@ -39,6 +39,8 @@ def test_bench_linear_smoke(tmp_path):
         assert all(_is_number(c) for c in r[3:]) and len(r) == 4 + len(RECIPES), r
     geomean = [r for r in rows if r[0].strip() == "geomean"]
     assert len(geomean) == 1 and all(_is_number(c) for c in geomean[0][4:]), table
+    for kind in ("CurrentScaling", "DelayedScaling", "MXFP8Scaling", "BlockwiseScaling"):
+        assert f"'{kind}'): Crossover(min_tokens=" in table, kind  # a row per recipe
 
 
 

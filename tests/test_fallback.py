@@ -82,22 +82,30 @@ def test_conv1d_falls_back_with_its_transposed_weight():
 
 
 def test_auto_and_never_run_fp8_on_the_cpu_whatever_the_table(monkeypatch):
-    monkeypatch.setitem(fallback.MEASURED, "cpu", fp8ops.Crossover(min_tokens=10 ** 9))
+    monkeypatch.setitem(fallback.MEASURED, ("cpu", "CurrentScaling"),
+                        fp8ops.Crossover(min_tokens=10 ** 9))
     for option in ("auto", "never"):
         layer = fp8ops.FP8Linear(32, 16, fallback=option)
         layer(torch.randn(4, 32))
         assert layer.fp8_state.high_precision_calls == 0
 
 
-def test_auto_takes_the_row_measured_for_the_gpu_model(monkeypatch):
+def test_auto_takes_the_row_measured_for_the_gpu_model_and_recipe(monkeypatch):
+    h100 = "NVIDIA H100 80GB HBM3"
     rule = fp8ops.Crossover(min_tokens=2048, min_in_features=1024)
-    monkeypatch.setattr(fallback, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setitem(fallback.MEASURED, "NVIDIA H100 80GB HBM3", rule)
-    assert fallback.crossover("auto", torch.device("cuda", 0)) is rule
-    assert fallback.crossover("never", torch.device("cuda", 0)) is None
-    assert fallback.crossover("auto", torch.device("cpu")) is None
+    mx_rule = fp8ops.Crossover(min_tokens=10 ** 9)  # e.g. never faster than bf16
+    monkeypatch.setattr(fallback, "_device_name", lambda index: h100)
+    monkeypatch.setitem(fallback.MEASURED, (h100, "CurrentScaling"), rule)
+    monkeypatch.setitem(fallback.MEASURED, (h100, "MXFP8Scaling"), mx_rule)
+    cuda = torch.device("cuda", 0)
+    current, mx = fp8ops.CurrentScaling(), fp8ops.MXFP8Scaling()
+    assert fallback.crossover("auto", cuda, current) is rule
+    assert fallback.crossover("auto", cuda, mx) is mx_rule
+    assert fallback.crossover("auto", cuda, fp8ops.DelayedScaling()) is None  # not measured
+    assert fallback.crossover("never", cuda, current) is None
+    assert fallback.crossover("auto", torch.device("cpu"), current) is None
     monkeypatch.setattr(fallback, "_device_name", lambda index: "a GPU nobody measured")
-    assert fallback.crossover("auto", torch.device("cuda", 0)) is None
+    assert fallback.crossover("auto", cuda, current) is None
 
 
 def test_convert_to_fp8_sets_the_fallback_and_stats_count_it():
