@@ -1,0 +1,51 @@
+"""Pickles name classes by module path: what fp8ops saved with one layout of its modules loads in
+another. tests/data/old_layout.pt was written when every module sat directly under fp8ops/
+(fp8ops.modules.FP8Linear, fp8ops.weight_cache.CachedCast, ...): a 2-layer model converted with
+delayed scaling, a Crossover fallback and a monitor, after one forward and backward; one trained a
+step by a CPUOffloadOptimizer; a recipe; a Float8Tensor; and the outputs they gave."""
+import os
+import pickletools
+import subprocess
+import sys
+import zipfile
+
+import torch
+
+import fp8ops
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "old_layout.pt")
+
+
+def _globals(path):
+    """module.name of every global the pickle of a torch.save file refers to."""
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    return {arg.replace(" ", ".") for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+
+
+def test_fixture_names_the_flat_module_paths():
+    assert {"fp8ops.modules.FP8Linear", "fp8ops.scaling.ScalingState",
+            "fp8ops.weight_cache.CachedCast", "fp8ops.fallback.Crossover",
+            "fp8ops.cast_stats.Monitor", "fp8ops.host_weight._unowned",
+            "fp8ops.tensors.Float8Tensor"} <= _globals(FIXTURE)
+
+
+def test_pickle_of_the_flat_layout_loads_and_gives_the_same_outputs():
+    saved = torch.load(FIXTURE, weights_only=False)
+    assert isinstance(saved["model"][0], fp8ops.FP8Linear)
+    assert saved["model"][0].fallback == fp8ops.Crossover(min_tokens=2)
+    assert saved["recipe"] == fp8ops.MXFP8Scaling()
+    with torch.no_grad():
+        for name in ("model", "offloaded"):
+            assert torch.equal(saved[name](saved["x"]), saved["expected"][name]), name
+    assert torch.equal(saved["tensor"].dequantize(), saved["expected"]["tensor"])
+    saved["model"](saved["x"]).sum().backward()  # and trains on
+    assert saved["model"][0].weight.grad is not None
+
+
+def test_pickle_loads_before_fp8ops_is_imported():
+    code = (f"import torch; m = torch.load({FIXTURE!r}, weights_only=False)['model']; "
+            f"print(type(m[0]).__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == fp8ops.FP8Linear.__module__
