@@ -25,7 +25,7 @@ E4M3 = torch.float8_e4m3fn
 def _cases(x, scale):
     """name -> (fp8ops fn, emulation fn, bytes moved). x is bf16 [rows, cols]."""
     import fp8ops  # noqa: F401
-    from fp8ops import _emulation as emu
+    from fp8ops.ops import emulation as emu
 
     ops = torch.ops.fp8ops
     n = x.numel()
@@ -61,11 +61,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     require_gpu()
-    from fp8ops import _backend
+    from fp8ops.ops import backend
 
     import fp8ops  # noqa: F401
-    if not _backend.extension_loaded():
-        raise SystemExit("fp8ops._C is not loaded (" + _backend._state["why_not"] + "): build it first")
+    if not backend.extension_loaded():
+        raise SystemExit("fp8ops._C is not loaded (" + backend._state["why_not"] + "): build it first")
 
     info = device_info()
     cols = 4096

@@ -4,7 +4,6 @@ Exact emulation everywhere (CPU, any GPU), CUDA cast kernels on sm_89+, a CUTLAS
 Hopper. See README.md; the numerics are those of DESIGN.md sections 3-5.
 """
 from . import ops  # noqa: F401  (defines the torch.ops.fp8ops operators)
-from ._backend import backend
 from .fallback import Crossover
 from .formats import E4M3, E5M2, FP8Format
 from .functional import linear
@@ -12,6 +11,7 @@ from .modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
                       plain_state_dict)
 from .monitoring import monitor, stats, unmonitor
 from .offload import CPUOffloadOptimizer
+from .ops.backend import backend
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState)
 from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,

@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_leaves
 
 from . import weight_cache
 from ._checks import check_int, check_int64
-from ._emulation import scale_from_amax
-from ._fused import record_amax, step_role
+from .ops.emulation import scale_from_amax
+from .ops.fused import record_amax, step_role
 from .formats import get_format
 
 AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
