@@ -50,7 +50,7 @@ def recipes():
 def fp8_copy(base, recipe):
     import fp8ops
     # FP8 at every shape (no high-precision fallback): these speed-ups are what the fallback's
-    # crossover table (fp8ops/fallback.py) is read from
+    # crossover table (fp8ops/nn/fallback.py) is read from
     layer = fp8ops.FP8Linear(base.in_features, base.out_features, bias=False, recipe=recipe,
                              device=base.weight.device, dtype=base.weight.dtype,
                              fallback="never")
@@ -168,7 +168,7 @@ def render(rows, names, info, args) -> str:
         if recipe in names:
             rule = crossover([(shape, ratio(row, recipe)) for shape, row in rows])
             lines += ["", f"Crossover that keeps every measured {recipe} shape at >= 1.0x bf16 "
-                      f"(the measured shapes only; fp8ops.fallback.MEASURED): {rule}"]
+                      f"(the measured shapes only; fp8ops.nn.fallback.MEASURED): {rule}"]
     return "\n".join(lines) + "\n"
 
 

@@ -30,11 +30,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
-from . import weight_cache
 from ._checks import check_int, check_int64
+from .formats import get_format
+from .nn import weight_cache
 from .ops.emulation import scale_from_amax
 from .ops.fused import record_amax, step_role
-from .formats import get_format
 
 AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
 MAX_HISTORY = 1024  # the CUDA scale-update kernel sorts the history in one block

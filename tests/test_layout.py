@@ -3,6 +3,7 @@ another. tests/data/old_layout.pt was written when every module sat directly und
 (fp8ops.modules.FP8Linear, fp8ops.weight_cache.CachedCast, ...): a 2-layer model converted with
 delayed scaling, a Crossover fallback and a monitor, after one forward and backward; one trained a
 step by a CPUOffloadOptimizer; a recipe; a Float8Tensor; and the outputs they gave."""
+import importlib
 import os
 import pickletools
 import subprocess
@@ -14,6 +15,13 @@ import torch
 import fp8ops
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "old_layout.pt")
+# the old paths of the moved modules that pickles name -> where the modules are now
+OLD_PATHS = {
+    "fp8ops.cast_stats": "fp8ops.nn.cast_stats",
+    "fp8ops.fallback": "fp8ops.nn.fallback",
+    "fp8ops.modules": "fp8ops.nn.modules",
+    "fp8ops.weight_cache": "fp8ops.nn.weight_cache",
+}
 
 
 def _globals(path):
@@ -49,3 +57,8 @@ def test_pickle_loads_before_fp8ops_is_imported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == fp8ops.FP8Linear.__module__
+
+
+def test_old_module_paths_are_the_moved_modules():
+    for old, new in OLD_PATHS.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old

@@ -7,7 +7,7 @@ from torch import nn
 
 import fp8ops
 from fp8ops.ops import emulation
-from fp8ops import cast_stats as mon_mod
+from fp8ops.nn import cast_stats as mon_mod
 
 RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
            fp8ops.BlockwiseScaling()]

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from . import cast_stats
-from .ops import fused
-from .scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
+from ..ops import fused
+from ..scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
