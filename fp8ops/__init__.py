@@ -2,6 +2,11 @@
 
 Exact emulation everywhere (CPU, any GPU), CUDA cast kernels on sm_89+, a CUTLASS FP8 GEMM on
 Hopper. See README.md; the numerics are those of DESIGN.md sections 3-5.
+
+Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), nn/ (autograd
+Functions, fp8ops.linear, FP8Linear and convert_to_fp8), optim/ (CPU offload of masters and
+optimizer state), distributed/ (FSDP2 and tensor parallelism). Beside them: formats, scaling
+(recipes and ScalingState), tensors (quantize / gemm), monitoring and memory.
 """
 import sys
 
@@ -12,8 +17,8 @@ from .nn.fallback import Crossover
 from .nn.functional import linear
 from .nn.modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
                          plain_state_dict)
-from .offload import CPUOffloadOptimizer
 from .ops.backend import backend
+from .optim.offload import CPUOffloadOptimizer
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState)
 from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,
@@ -25,6 +30,7 @@ __version__ = "0.1.0"
 _MOVED = {
     "fp8ops.cast_stats": "fp8ops.nn.cast_stats",
     "fp8ops.fallback": "fp8ops.nn.fallback",
+    "fp8ops.host_weight": "fp8ops.optim.host_weight",
     "fp8ops.modules": "fp8ops.nn.modules",
     "fp8ops.weight_cache": "fp8ops.nn.weight_cache",
 }

@@ -69,7 +69,7 @@ def device_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
     optimizer's; a CPUOffloadOptimizer keeps its state on the host). Count just before
     optimizer.step() to include the gradients of a whole backward."""
     from .nn.modules import FP8Linear
-    from .offload import CPUOffloadOptimizer
+    from .optim.offload import CPUOffloadOptimizer
 
     seen: set = set()
     params = list(model.parameters())

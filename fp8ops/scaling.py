@@ -337,7 +337,7 @@ class ScalingState(nn.Module):
         # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
         self.recording = True
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
-        # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
+        # set by CPUOffloadOptimizer: the weight's values live on the host (optim/host_weight.py)
         self.host_weight = None
         # moves whenever the weight's values may have changed unseen (weight_generation)
         self._generation = _Generation()

@@ -19,6 +19,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "old_
 OLD_PATHS = {
     "fp8ops.cast_stats": "fp8ops.nn.cast_stats",
     "fp8ops.fallback": "fp8ops.nn.fallback",
+    "fp8ops.host_weight": "fp8ops.optim.host_weight",
     "fp8ops.modules": "fp8ops.nn.modules",
     "fp8ops.weight_cache": "fp8ops.nn.weight_cache",
 }
