@@ -11,10 +11,12 @@ import sys
 import zipfile
 
 import torch
+from setuptools import find_packages
 
 import fp8ops
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "old_layout.pt")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "data", "old_layout.pt")
 # the old paths of the moved modules that pickles name -> where the modules are now
 OLD_PATHS = {
     "fp8ops.cast_stats": "fp8ops.nn.cast_stats",
@@ -63,3 +65,11 @@ def test_pickle_loads_before_fp8ops_is_imported():
 def test_old_module_paths_are_the_moved_modules():
     for old, new in OLD_PATHS.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
+
+
+def test_every_folder_of_the_package_is_installed():
+    """setup.py installs find_packages(include=["fp8ops", "fp8ops.*"]): folders with __init__.py."""
+    folders = {os.path.relpath(d, ROOT).replace(os.sep, ".")
+               for d, _, files in os.walk(os.path.join(ROOT, "fp8ops")) if any(
+                   f.endswith(".py") for f in files)}
+    assert folders == set(find_packages(ROOT, include=["fp8ops", "fp8ops.*"]))
