@@ -69,7 +69,7 @@ def _cast_gencodes(sass, ptx):
 
 
 def _write_build_info(sass, ptx, cutlass_gemm):
-    """fp8ops/_build_info.py: which GPUs the built kernels serve, read by fp8ops._backend before
+    """fp8ops/_build_info.py: which GPUs the built kernels serve, read by fp8ops.ops.backend before
     it loads the extension (a GPU with neither machine code nor PTX at or below its arch falls
     back to the emulation, with the reason)."""
     with open(os.path.join(HERE, "fp8ops", "_build_info.py"), "w") as f:

@@ -5,7 +5,7 @@ GB/s counts bytes read + written (a fused op's every output counted as written).
 the median of many CUDA-event-timed runs with the L2 flushed before each, on fresh random inputs.
 The fused casts a training step calls (ops.quantize_current, quantize_delayed,
 quantize_blockwise_pair, quantize_mx_pair, with dY's column sums) are also timed as the unfused
-ops they stand for (fp8ops/_fused.py), each with its own kernel: what the fusion saves. Prints a
+ops they stand for (fp8ops/ops/fused.py), each with its own kernel: what the fusion saves. Prints a
 markdown table and writes it to bench/results/cast.md, with a plot in bench/results/cast.png.
 
     python bench/bench_cast.py [--max-mb 1024] [--iters 30] [--no-compile]
@@ -31,8 +31,8 @@ E4M3 = torch.float8_e4m3fn
 def _cases(x, scale):
     """name -> (fp8ops fn, emulation fn, bytes moved, unfused fn or None). x is bf16 [rows, cols]."""
     import fp8ops  # noqa: F401
-    from fp8ops import _emulation as emu
-    from fp8ops import _fused
+    from fp8ops.ops import emulation as emu
+    from fp8ops.ops import fused
 
     ops = torch.ops.fp8ops
     n = x.numel()
@@ -57,7 +57,7 @@ def _cases(x, scale):
         "quantize_blockwise 128x128": (lambda: ops.quantize_blockwise(x, E4M3, 128, 128, False),
                                        lambda: emu.quantize_blockwise(x, E4M3, 128, 128, False),
                                        3 * n + 4 * rb_r * rb_c, None),
-        **_fused_cases(x, ops, _fused),
+        **_fused_cases(x, ops, fused),
     }
 
 
@@ -117,11 +117,11 @@ def main():
                           "to end (on the CPU: the emulation); not a measurement")
     args = ap.parse_args()
     out_dir = results_dir(args, os.path.join(HERE, "results"))
-    from fp8ops import _backend
+    from fp8ops.ops import backend
 
     import fp8ops  # noqa: F401
-    if args.device == "cuda" and not _backend.extension_loaded():
-        raise SystemExit("fp8ops._C is not loaded (" + _backend._state["why_not"] + "): build it first")
+    if args.device == "cuda" and not backend.extension_loaded():
+        raise SystemExit("fp8ops._C is not loaded (" + backend._state["why_not"] + "): build it first")
 
     info = device_info(args.device)
     cols = 4096

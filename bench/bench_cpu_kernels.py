@@ -21,8 +21,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from fp8ops import _cpu_kernels  # noqa: E402
-from fp8ops import _emulation as E  # noqa: E402
+from fp8ops.ops import cpu_kernels  # noqa: E402
+from fp8ops.ops import emulation as E  # noqa: E402
 from _timing import cpu_name  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -48,11 +48,11 @@ def measure(fn, iters):
     """Median seconds with the kernels off and on, calls interleaved."""
     times = {False: [], True: []}
     for on in (False, True) * 2:  # warm-up: scratch buffers, first-call costs
-        _cpu_kernels._state["loaded"] = on
+        cpu_kernels._state["loaded"] = on
         fn()
     for _ in range(iters):
         for on in (False, True):
-            _cpu_kernels._state["loaded"] = on
+            cpu_kernels._state["loaded"] = on
             t0 = time.perf_counter()
             fn()
             times[on].append(time.perf_counter() - t0)
@@ -64,8 +64,8 @@ def main():
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_kernels.md"))
     args = ap.parse_args()
-    if not _cpu_kernels.loaded():
-        raise SystemExit(f"the CPU kernels are not available: {_cpu_kernels.why_not()}")
+    if not cpu_kernels.loaded():
+        raise SystemExit(f"the CPU kernels are not available: {cpu_kernels.why_not()}")
     gc.disable()  # no collector pauses inside a timed call
     rows = ["| op | shape | tensor code (ms) | C++ kernel (ms) | speed-up |", "|---|---|---:|---:|---:|"]
     try:
@@ -76,7 +76,7 @@ def main():
                             f"{off / on:.2f}x |")
                 print(rows[-1], flush=True)
     finally:
-        _cpu_kernels._state["loaded"] = True
+        cpu_kernels._state["loaded"] = True
     text = (f"# The emulation's CPU kernels against its tensor code\n\n{datetime.date.today()}, "
             f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads; median of {args.iters} interleaved calls each\n\n"

@@ -120,8 +120,8 @@ def main():
     if cc != (9, 0):
         raise SystemExit(f"bench_gemm: needs an sm_90 (Hopper) GPU for the CUTLASS GEMM, got sm_{cc[0]}{cc[1]}")
     import fp8ops
-    from fp8ops import _backend
-    if not _backend.extension_loaded() or not torch.ops.fp8ops_C.has_cutlass_sm90():
+    from fp8ops.ops import backend
+    if not backend.extension_loaded() or not torch.ops.fp8ops_C.has_cutlass_sm90():
         raise SystemExit(f"bench_gemm: fp8ops CUTLASS GEMM not available ({fp8ops.backend().reason})")
 
     info = device_info()

@@ -50,7 +50,7 @@ def recipes():
 def fp8_copy(base, recipe):
     import fp8ops
     # FP8 at every shape (no high-precision fallback): these speed-ups are what the fallback's
-    # crossover table (fp8ops/fallback.py) is read from
+    # crossover table (fp8ops/nn/fallback.py) is read from
     layer = fp8ops.FP8Linear(base.in_features, base.out_features, bias=False, recipe=recipe,
                              device=base.weight.device, dtype=base.weight.dtype,
                              fallback="never")
@@ -156,7 +156,7 @@ def render(rows, names, info, args) -> str:
     lines.append("| geomean | | | | " +
                  " | ".join(geomean_cell([ratio(row, r) for _, row in rows]) for r in names) + " |")
     lines += ["", "Crossovers that keep every measured shape of a recipe at >= 1.0x bf16 (the "
-              "measured shapes only), as rows of fp8ops.fallback.MEASURED:", ""]
+              "measured shapes only), as rows of fp8ops.nn.fallback.MEASURED:", ""]
     kinds = recipes()
     for recipe in names:
         rule = crossover([(shape, ratio(row, recipe)) for shape, row in rows])

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8ops  # noqa: E402
-from fp8ops import _emulation  # noqa: E402
+from fp8ops.ops import emulation  # noqa: E402
 
 _aten = torch.ops.aten
 NO_KERNEL = {_aten.view.default, _aten._unsafe_view.default, _aten.t.default,
@@ -71,12 +71,12 @@ class _Counter(TorchDispatchMode):
 @contextmanager
 def _device_path():
     """The emulation's Python takes the branch a GPU tensor takes (no host fast path)."""
-    saved = _emulation._on_host
-    _emulation._on_host = lambda t: False
+    saved = emulation._on_host
+    emulation._on_host = lambda t: False
     try:
         yield
     finally:
-        _emulation._on_host = saved
+        emulation._on_host = saved
 
 
 def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,

@@ -1,6 +1,6 @@
 // Blockwise 1x128 casts of x [rows, cols] and of its transpose from one read of x: the copies the
 // forward and the wgrad GEMM need (X and X^T, dY and dY^T), bit-exact with two calls of
-// quantize_blockwise (1x128) on x and on x^T (fp8ops/_fused.py quantize_blockwise_pair).
+// quantize_blockwise (1x128) on x and on x^T (fp8ops/ops/fused.py quantize_blockwise_pair).
 //
 // One 128x128 tile of x per block, staged in shared memory: each row's 128 elements are one block
 // of x's copy, each column's 128 elements one block of the transposed copy, so both amaxes are

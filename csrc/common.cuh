@@ -52,7 +52,7 @@ void launch_kernel_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t 
 
 // ---- IEEE float32 arithmetic and bit casts, callable from host and device -----------------------
 // The scalar helpers below are __host__ __device__ so tests/csrc/host_check.cu can check them
-// against fp8ops/_emulation.py without a GPU. On the device these are the round-to-nearest
+// against fp8ops/ops/emulation.py without a GPU. On the device these are the round-to-nearest
 // intrinsics (never contracted into an FMA); on the host they are plain IEEE float32 operations
 // (x86-64 SSE, no fast-math; the volatile keeps a host compiler from contracting them).
 __host__ __device__ __forceinline__ float bits_as_float(uint32_t b) {

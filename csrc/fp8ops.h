@@ -1,7 +1,7 @@
 // fp8ops kernel API: torch-free. Plain parameter structs (pointers, sizes, strides) and launch_*()
 // functions; every launch runs on the given stream and throws std::runtime_error on a CUDA error.
 // The only torch-aware C++ is torch_bindings.cpp. Numerics: DESIGN.md sections 3-5, with
-// fp8ops/_emulation.py as the bit-exact reference.
+// fp8ops/ops/emulation.py as the bit-exact reference.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -161,7 +161,7 @@ struct DequantizeBlockwiseParams {
 };
 void launch_dequantize_blockwise(const DequantizeBlockwiseParams& p, cudaStream_t stream);
 
-// Delayed scaling: one step of the amax-history state machine (fp8ops._emulation
+// Delayed scaling: one step of the amax-history state machine (fp8ops.ops.emulation
 // .delayed_scale_update), one block, no host sync. Outputs may be the inputs themselves (an update
 // in place: every input is read before any output is written).
 enum class AmaxAlgo : int { kMax, kMostRecent, kEma, kPercentile };
@@ -202,7 +202,7 @@ struct CastScaleParams {
 void launch_cast_scale(const CastScaleParams& p, cudaStream_t stream);
 
 // A delayed-scaling role's record of one cast's amax: *pending = max(*pending, *amax) for a
-// finite amax, else *nonfinite_count += 1 (fp8ops._fused.record_amax).
+// finite amax, else *nonfinite_count += 1 (fp8ops.ops.fused.record_amax).
 struct RecordAmaxParams {
   const float* amax;
   float* pending_amax;

@@ -1,5 +1,5 @@
 // The emulation's CPU kernels (csrc/*_cpu.cpp), registered by bindings_cpu.cpp as fp8ops_cpu ops.
-// Each gives the same bytes as the pure-PyTorch code in fp8ops/_emulation.py that it replaces.
+// Each gives the same bytes as the pure-PyTorch code in fp8ops/ops/emulation.py that it replaces.
 #pragma once
 #include <ATen/core/Tensor.h>
 

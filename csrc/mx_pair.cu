@@ -1,6 +1,6 @@
 // MXFP8 copies of x blocked along both axes from one read of x (the copies the forward and the
 // wgrad GEMM need), bit-exact with two calls of quantize_mx (block 32) on the zero-padded x
-// (fp8ops/_fused.py quantize_mx_pair).
+// (fp8ops/ops/fused.py quantize_mx_pair).
 //
 // A warp owns 32 columns (one row block's width) of a band of 32 rows (one column block's height):
 // each lane holds its column's 32 values in registers, so the column block is the lane's own and

@@ -1,5 +1,5 @@
 // Delayed-scaling update: one block, no host sync, CUDA-graph safe. Bit-exact with
-// fp8ops/_emulation.delayed_scale_update (roll the history, reduce it by algo, new scale).
+// fp8ops.ops.emulation.delayed_scale_update (roll the history, reduce it by algo, new scale).
 #include "common.cuh"
 
 namespace fp8ops {

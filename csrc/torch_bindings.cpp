@@ -1,5 +1,6 @@
 // The only torch-aware C++ in fp8ops: argument checks, device guard, current stream, output
-// allocation, and the CUDA kernels' registration for the ops whose schemas fp8ops/ops.py defines.
+// allocation, and the CUDA kernels' registration for the ops whose schemas fp8ops/ops/__init__.py
+// defines.
 #include <ATen/ATen.h>
 #include <Python.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -436,7 +437,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
 }
 
 // ---- fused per-tensor casts: scale math and amax bookkeeping in the cast's one call ----------
-// (fp8ops/_fused.py is their definition; the kernels are those of the unfused ops.)
+// (fp8ops/ops/fused.py is their definition; the kernels are those of the unfused ops.)
 using FusedCast = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 float fp8_max_of(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f; }

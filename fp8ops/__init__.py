@@ -2,22 +2,40 @@
 
 Exact emulation everywhere (CPU, any GPU), CUDA cast kernels on sm_89+, a CUTLASS FP8 GEMM on
 Hopper. See README.md; the numerics are those of DESIGN.md sections 3-5.
+
+Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), nn/ (autograd
+Functions, fp8ops.linear, FP8Linear and convert_to_fp8), optim/ (CPU offload of masters and
+optimizer state), distributed/ (FSDP2 and tensor parallelism). Beside them: formats, scaling
+(recipes and ScalingState), amax_reduction (the amax all-reduce at the end of each backward
+pass), tensors (quantize / gemm), monitoring and memory.
 """
+import sys
+
 from . import ops  # noqa: F401  (defines the torch.ops.fp8ops operators)
-from ._backend import backend
-from .fallback import Crossover
 from .formats import E4M3, E5M2, FP8Format
-from .functional import linear
-from .modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
-                      plain_state_dict)
 from .monitoring import monitor, stats, unmonitor
-from .offload import CPUOffloadOptimizer
+from .nn.fallback import Crossover
+from .nn.functional import linear
+from .nn.modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
+                         plain_state_dict)
+from .ops.backend import backend
+from .optim.offload import CPUOffloadOptimizer
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState)
 from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,
                       quantize_blockwise, quantize_mx)
 
 __version__ = "0.1.0"
+
+# pickles made before the nn/ and optim/ subpackages name classes by these old module paths
+_MOVED = {
+    "fp8ops.cast_stats": "fp8ops.nn.cast_stats",
+    "fp8ops.fallback": "fp8ops.nn.fallback",
+    "fp8ops.host_weight": "fp8ops.optim.host_weight",
+    "fp8ops.modules": "fp8ops.nn.modules",
+    "fp8ops.weight_cache": "fp8ops.nn.weight_cache",
+}
+sys.modules.update({old: sys.modules[new] for old, new in _MOVED.items()})
 
 # public names whose modules import torch.distributed.tensor: loaded on first use, so that
 # `import fp8ops` stays light

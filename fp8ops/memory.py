@@ -68,8 +68,8 @@ def device_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
     weights, the model's buffers (FP8 scaling state included) and the optimizer's state (a torch
     optimizer's; a CPUOffloadOptimizer keeps its state on the host). Count just before
     optimizer.step() to include the gradients of a whole backward."""
-    from .modules import FP8Linear
-    from .offload import CPUOffloadOptimizer
+    from .nn.modules import FP8Linear
+    from .optim.offload import CPUOffloadOptimizer
 
     seen: set = set()
     params = list(model.parameters())

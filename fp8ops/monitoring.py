@@ -16,7 +16,7 @@ Per FP8 layer and role (input, weight, grad), at the last sampled cast:
                     count the sampled ones)
   block_scale_log2_min / _max / _spread   range of the block scales, in binades (MXFP8, blockwise)
 and per FP8 layer, counted on every call (not sampled):
-  high_precision_calls   calls its fallback ran in high precision (fp8ops.fallback)
+  high_precision_calls   calls its fallback ran in high precision (fp8ops.nn.fallback)
 With no monitor attached nothing is computed (one `is None` test per cast). On a sampled step
 each cast adds a few elementwise passes over its tensor, all on the device; only stats() reads
 the values back (one host sync per call). raise_on_nonfinite=True checks each sampled cast on
@@ -29,8 +29,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from .cast_stats import STATS, Monitor
-from .modules import FP8Linear
+from .nn.cast_stats import STATS, Monitor
+from .nn.modules import FP8Linear
 
 
 def monitor(model: nn.Module, every: int = 100, raise_on_nonfinite: bool = False) -> Monitor:

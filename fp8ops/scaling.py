@@ -30,11 +30,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
-from . import amax_reduction, weight_cache
+from . import amax_reduction
 from ._checks import check_int, check_int64
-from ._emulation import scale_from_amax
-from ._fused import record_amax, step_role
 from .formats import get_format
+from .nn import weight_cache
+from .ops.emulation import scale_from_amax
+from .ops.fused import record_amax, step_role
 
 AMAX_ALGOS = ("max", "most_recent", "ema", "percentile")
 MAX_HISTORY = 1024  # the CUDA scale-update kernel sorts the history in one block
@@ -337,7 +338,7 @@ class ScalingState(nn.Module):
         # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
         self.recording = True
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
-        # set by CPUOffloadOptimizer: the weight's values live on the host (host_weight.py)
+        # set by CPUOffloadOptimizer: the weight's values live on the host (optim/host_weight.py)
         self.host_weight = None
         # moves whenever the weight's values may have changed unseen (weight_generation)
         self._generation = _Generation()

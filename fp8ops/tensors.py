@@ -2,7 +2,7 @@
 
 Float8Tensor, MXTensor and BlockwiseTensor are plain frozen containers (not tensor subclasses):
 the FP8 payload plus what it takes to read it back. Each function validates its arguments and
-names the problem; the numerics live in the ops (ops.py).
+names the problem; the numerics live in the ops (fp8ops.ops).
 """
 from __future__ import annotations
 

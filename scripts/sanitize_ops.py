@@ -7,10 +7,10 @@ import sys
 import torch
 
 import fp8ops  # noqa: F401
-from fp8ops import _backend
+from fp8ops.ops import backend
 
 assert torch.cuda.is_available(), "needs a CUDA GPU"
-assert _backend.extension_loaded(), "fp8ops._C not loaded: " + _backend._state["why_not"]
+assert backend.extension_loaded(), "fp8ops._C not loaded: " + backend._state["why_not"]
 ops = torch.ops.fp8ops
 F8 = torch.float8_e4m3fn
 

@@ -13,8 +13,8 @@ def _seed():
 
 def skip_without_fp8_kernels() -> None:
     """Skip the calling test unless this GPU has FP8 and fp8ops' CUDA kernels are loaded."""
-    from fp8ops import _backend
+    from fp8ops.ops import backend
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("GPU has no FP8 (compute capability < 8.9)")
-    if not _backend.extension_loaded():
-        pytest.skip("fp8ops._C not loaded: " + _backend._state["why_not"])
+    if not backend.extension_loaded():
+        pytest.skip("fp8ops._C not loaded: " + backend._state["why_not"])

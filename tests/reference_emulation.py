@@ -1,4 +1,4 @@
-"""A frozen copy of fp8ops/_emulation.py as it was before its fast paths: the plain reference that
+"""A frozen copy of fp8ops/ops/emulation.py before its fast paths: the plain reference that
 tests/test_emulation_fast.py compares the current emulation against, byte for byte. Never edit it
 for speed; it follows only changes of the numerics themselves (since then: the blockwise GEMM's
 promotion multiplies its two scales before the partial sum).

@@ -24,7 +24,7 @@ def test_cuda_without_gpu_is_emulation():
 
 def test_force_emulation_env():
     code = ("import fp8ops, torch; b = fp8ops.backend(torch.device('cuda', 0)); "
-            "print(b, '|', b.reason, '|', fp8ops._backend.extension_loaded())")
+            "print(b, '|', b.reason, '|', fp8ops.ops.backend.extension_loaded())")
     env = dict(os.environ, FP8OPS_FORCE_EMULATION="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -36,7 +36,7 @@ def test_force_emulation_env():
 def test_gpu_backend_names_the_kernels():
     b = fp8ops.backend()
     cc = torch.cuda.get_device_capability()
-    if not fp8ops._backend.extension_loaded():
+    if not fp8ops.ops.backend.extension_loaded():
         assert b == "emulation" and "not built" in b.reason
     elif cc == (9, 0):
         assert b == "cutlass_sm90", b.reason
@@ -53,13 +53,13 @@ class _FakeBuild:
 @pytest.mark.parametrize("cc, served", [((8, 9), True), ((9, 0), True), ((10, 0), True),
                                         ((12, 0), True), ((8, 6), False), ((8, 0), False)])
 def test_kernels_built_for_reads_the_build_record(monkeypatch, cc, served):
-    monkeypatch.setattr(fp8ops._backend, "_build_info", lambda: _FakeBuild)
-    assert fp8ops._backend.kernels_built_for(cc) is served
+    monkeypatch.setattr(fp8ops.ops.backend, "_build_info", lambda: _FakeBuild)
+    assert fp8ops.ops.backend.kernels_built_for(cc) is served
 
 
 def test_no_ptx_means_no_newer_gpu(monkeypatch):
     class NoPtx(_FakeBuild):
         PTX = []
-    monkeypatch.setattr(fp8ops._backend, "_build_info", lambda: NoPtx)
-    assert not fp8ops._backend.kernels_built_for((10, 0))
-    assert "PTX none" in fp8ops._backend._built_targets()
+    monkeypatch.setattr(fp8ops.ops.backend, "_build_info", lambda: NoPtx)
+    assert not fp8ops.ops.backend.kernels_built_for((10, 0))
+    assert "PTX none" in fp8ops.ops.backend._built_targets()

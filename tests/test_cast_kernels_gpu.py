@@ -7,7 +7,7 @@ import torch
 from conftest import skip_without_fp8_kernels
 
 import fp8ops  # noqa: F401  (registers the ops, loads the extension when it can)
-from fp8ops import _emulation
+from fp8ops.ops import emulation
 
 pytestmark = [
     pytest.mark.gpu,
@@ -76,14 +76,14 @@ def _magnitudes():
 @pytest.mark.parametrize("shape", SHAPES + [(), (5, 0)])
 def test_amax(dtype, shape):
     x = _random(shape, dtype, 3.0)
-    _float_equal(OPS.amax(x), _emulation.amax(x))
+    _float_equal(OPS.amax(x), emulation.amax(x))
 
 
 @pytest.mark.parametrize("dtype", INPUTS)
 def test_amax_nan_and_misaligned(dtype):
     x = _random((10001,), dtype, 2.0)
     for off in range(0, 9):  # base pointers that are not 16-byte aligned
-        _float_equal(OPS.amax(x[off:]), _emulation.amax(x[off:]))
+        _float_equal(OPS.amax(x[off:]), emulation.amax(x[off:]))
     x[5000] = float("nan")
     assert torch.isnan(OPS.amax(x))
 
@@ -91,7 +91,7 @@ def test_amax_nan_and_misaligned(dtype):
 def _check_quantize(x, fmt, scale, transpose, stochastic, seed=0, offset=0):
     s = torch.tensor(scale, device="cuda", dtype=torch.float32)
     got = OPS.quantize(x, s, fmt, transpose, stochastic, seed, offset)
-    ref = _emulation.quantize(x, s, fmt, transpose, stochastic, seed, offset)
+    ref = emulation.quantize(x, s, fmt, transpose, stochastic, seed, offset)
     _bytes_equal(got[0], ref[0])
     if transpose:
         _bytes_equal(got[1], ref[1])
@@ -108,7 +108,7 @@ def _check_quantize(x, fmt, scale, transpose, stochastic, seed=0, offset=0):
 def test_quantize(fmt, dtype, shape, transpose, stochastic):
     for i, mag in enumerate(_magnitudes()):
         x = _random(shape, dtype, mag, seed=i)
-        scale = MAX[fmt] / max(float(_emulation.amax(x)), 1e-30) * (0.5 if i % 2 else 2.0)
+        scale = MAX[fmt] / max(float(emulation.amax(x)), 1e-30) * (0.5 if i % 2 else 2.0)
         _check_quantize(x, fmt, scale, transpose, stochastic, seed=1234 + i, offset=7 * i)
 
 
@@ -140,10 +140,10 @@ def test_dequantize(fmt, out_dtype, shape):
     data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(fmt)
     for si in [1.0, 3.7e-3, 1e30, 2.0 ** -130]:
         s = torch.tensor(si, device="cuda")
-        _float_equal(OPS.dequantize(data, s, out_dtype), _emulation.dequantize(data, s, out_dtype))
+        _float_equal(OPS.dequantize(data, s, out_dtype), emulation.dequantize(data, s, out_dtype))
     if data.numel() > 3:
         _float_equal(OPS.dequantize(data.reshape(-1)[3:], s, out_dtype),
-                     _emulation.dequantize(data.reshape(-1)[3:], s, out_dtype))
+                     emulation.dequantize(data.reshape(-1)[3:], s, out_dtype))
 
 
 MX_SHAPES = [((32,), -1), ((3, 64), -1), ((5, 7, 96), -1), ((64, 33), 0), ((2, 64, 5), 1), ((64,), 0),
@@ -163,12 +163,12 @@ def test_quantize_mx(fmt, dtype, shape, axis, rceil, block_size):
             flat[3] = float("nan")
             flat[x.numel() // 2] = float("inf")
         got = OPS.quantize_mx(x, fmt, block_size, axis, rceil)
-        ref = _emulation.quantize_mx(x, fmt, block_size, axis, rceil)
+        ref = emulation.quantize_mx(x, fmt, block_size, axis, rceil)
         _bytes_equal(got[0], ref[0])
         _bytes_equal(got[1], ref[1])
         for out_dtype in INPUTS:
             _float_equal(OPS.dequantize_mx(got[0], got[1], block_size, axis, out_dtype),
-                         _emulation.dequantize_mx(ref[0], ref[1], block_size, axis, out_dtype))
+                         emulation.dequantize_mx(ref[0], ref[1], block_size, axis, out_dtype))
 
 
 @pytest.mark.parametrize("fmt", FP8)
@@ -180,7 +180,7 @@ def test_quantize_mx_specials(fmt, dtype, rceil):
     for scale in [1.0, 2.0 ** 100, 2.0 ** -100]:
         xs = (x.float() * scale).to(dtype)
         got = OPS.quantize_mx(xs, fmt, 32, -1, rceil)
-        ref = _emulation.quantize_mx(xs, fmt, 32, -1, rceil)
+        ref = emulation.quantize_mx(xs, fmt, 32, -1, rceil)
         _bytes_equal(got[0], ref[0])
         _bytes_equal(got[1], ref[1])
     # amax exactly on the RCEIL boundary (significand 1.75) and just above / below
@@ -190,7 +190,7 @@ def test_quantize_mx_specials(fmt, dtype, rceil):
         xb[7] = -a
         xb = xb.to(dtype)
         got = OPS.quantize_mx(xb, fmt, 32, 0, rceil)
-        ref = _emulation.quantize_mx(xb, fmt, 32, 0, rceil)
+        ref = emulation.quantize_mx(xb, fmt, 32, 0, rceil)
         _bytes_equal(got[0], ref[0])
         _bytes_equal(got[1], ref[1])
 
@@ -212,12 +212,12 @@ def test_quantize_blockwise(fmt, dtype, shape, block, power_of_two):
             flat[x.numel() - 2] = -float("inf")
             flat[150:200] = 0.0
         got = OPS.quantize_blockwise(x, fmt, block[0], block[1], power_of_two)
-        ref = _emulation.quantize_blockwise(x, fmt, block[0], block[1], power_of_two)
+        ref = emulation.quantize_blockwise(x, fmt, block[0], block[1], power_of_two)
         _bytes_equal(got[0], ref[0])
         _float_equal(got[1], ref[1])
         for out_dtype in INPUTS:
             _float_equal(OPS.dequantize_blockwise(got[0], got[1], block[0], block[1], out_dtype),
-                         _emulation.dequantize_blockwise(ref[0], ref[1], block[0], block[1], out_dtype))
+                         emulation.dequantize_blockwise(ref[0], ref[1], block[0], block[1], out_dtype))
 
 
 @pytest.mark.parametrize("fmt", FP8)
@@ -228,7 +228,7 @@ def test_quantize_blockwise_specials(fmt, dtype):
         for p2 in (False, True):
             xr = x[: x.numel() // 16 * 16].reshape(16, -1)
             got = OPS.quantize_blockwise(xr, fmt, block[0], block[1], p2)
-            ref = _emulation.quantize_blockwise(xr, fmt, block[0], block[1], p2)
+            ref = emulation.quantize_blockwise(xr, fmt, block[0], block[1], p2)
             _bytes_equal(got[0], ref[0])
             _float_equal(got[1], ref[1])
 
@@ -254,7 +254,7 @@ def test_delayed_scale_update(algo, L, power_of_two):
                         st = torch.tensor(step, device="cuda")
                         args = (fp8_max, margin, interval, algo, 0.37, 95.0, power_of_two)
                         got = OPS.delayed_scale_update(hist, scale, rep, pend, st, *args)
-                        ref = _emulation.delayed_scale_update(hist, scale, rep, pend, st, *args)
+                        ref = emulation.delayed_scale_update(hist, scale, rep, pend, st, *args)
                         for g_, r_ in zip(got, ref):
                             _float_equal(g_, r_.reshape(g_.shape).to(g_.dtype))
 

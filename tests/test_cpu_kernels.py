@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import reference_emulation as R
-from fp8ops import _cpu_kernels
-from fp8ops import _emulation as E
+from fp8ops.ops import cpu_kernels
+from fp8ops.ops import emulation as E
 from fp8ops.formats import get_format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,8 +23,8 @@ SEEDS = [(0, 0), (1234, 5), (0x123456789ABCDEF0, 7), (2**64 - 1, 2**64 - 1), (42
 
 @pytest.fixture
 def without_kernels(monkeypatch):
-    monkeypatch.setitem(_cpu_kernels._state, "loaded", False)
-    monkeypatch.setitem(_cpu_kernels._state, "why_not", "disabled by the test")
+    monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+    monkeypatch.setitem(cpu_kernels._state, "why_not", "disabled by the test")
 
 
 def same_bytes(fast, plain, want, what=""):
@@ -41,8 +41,8 @@ def same_bytes(fast, plain, want, what=""):
 
 @needs_kernels
 def test_built_extension_loads():
-    assert _cpu_kernels.loaded(), _cpu_kernels.why_not()
-    assert _cpu_kernels.why_not() == ""
+    assert cpu_kernels.loaded(), cpu_kernels.why_not()
+    assert cpu_kernels.why_not() == ""
 
 
 @needs_kernels
@@ -83,7 +83,7 @@ def test_stochastic_quantize_same_bytes(dtype, shape, without_kernels, monkeypat
     s = torch.tensor(37.5)
     args = (x, s, dtype, x.dim() == 2, True, 2**40 + 11, 5)
     plain = E.quantize(*args)
-    monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
+    monkeypatch.setitem(cpu_kernels._state, "loaded", True)
     fast = E.quantize(*args)
     want = R.quantize(*args)
     same_bytes(fast, plain, want, tuple(shape))
@@ -91,9 +91,9 @@ def test_stochastic_quantize_same_bytes(dtype, shape, without_kernels, monkeypat
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("FP8OPS_DISABLE_CPU_KERNELS", "1")
-    monkeypatch.setitem(_cpu_kernels._state, "loaded", None)
-    assert not _cpu_kernels.loaded()
-    assert "FP8OPS_DISABLE_CPU_KERNELS=1" in _cpu_kernels.why_not()
+    monkeypatch.setitem(cpu_kernels._state, "loaded", None)
+    assert not cpu_kernels.loaded()
+    assert "FP8OPS_DISABLE_CPU_KERNELS=1" in cpu_kernels.why_not()
     x = torch.randn(1001)
     args = (x, torch.tensor(3.0), torch.float8_e5m2, False, True, 3, 4)
     assert torch.equal(E.quantize(*args)[0].view(torch.uint8), R.quantize(*args)[0].view(torch.uint8))
@@ -139,9 +139,9 @@ def test_quantize_mx_same_bytes(dtype, rceil, in_dtype, without_kernels, monkeyp
                     cases.append((x, axis, block))
     cases.append((_mx_inputs()[0].to(in_dtype).t(), 0, 32))  # a non-contiguous x
     for x, axis, block in cases:
-        monkeypatch.setitem(_cpu_kernels._state, "loaded", False)
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
         plain = E.quantize_mx(x, dtype, block, axis, rceil)
-        monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
+        monkeypatch.setitem(cpu_kernels._state, "loaded", True)
         fast = E.quantize_mx(x, dtype, block, axis, rceil)
         want = R.quantize_mx(x, dtype, block, axis, rceil)
         same_bytes(fast, plain, want, (tuple(x.shape), axis, block))
@@ -149,7 +149,7 @@ def test_quantize_mx_same_bytes(dtype, rceil, in_dtype, without_kernels, monkeyp
 
 @needs_kernels
 def test_quantize_mx_kernel_rejects_bad_arguments():
-    assert _cpu_kernels.loaded()
+    assert cpu_kernels.loaded()
     op = torch.ops.fp8ops_cpu.quantize_mx
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
@@ -182,9 +182,9 @@ def test_quantize_blockwise_same_bytes(dtype, power_of_two, tile, without_kernel
              torch.randn(0, 128)]
     for x in cases:
         args = (x, dtype, tile[0], tile[1], power_of_two)
-        monkeypatch.setitem(_cpu_kernels._state, "loaded", False)
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
         plain = E.quantize_blockwise(*args)
-        monkeypatch.setitem(_cpu_kernels._state, "loaded", True)
+        monkeypatch.setitem(cpu_kernels._state, "loaded", True)
         fast = E.quantize_blockwise(*args)
         want = R.quantize_blockwise(*args)
         same_bytes(fast, plain, want, tuple(x.shape))
@@ -192,7 +192,7 @@ def test_quantize_blockwise_same_bytes(dtype, power_of_two, tile, without_kernel
 
 @needs_kernels
 def test_tile_kernels_reject_bad_arguments():
-    assert _cpu_kernels.loaded()
+    assert cpu_kernels.loaded()
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="contiguous 2-D float32 CPU tensor"):
         torch.ops.fp8ops_cpu.tile_amax(x.t(), 1, 32)
@@ -208,7 +208,7 @@ def test_tile_kernels_reject_bad_arguments():
 
 @needs_kernels
 def test_stochastic_round_kernel_rejects_bad_arguments():
-    assert _cpu_kernels.loaded()
+    assert cpu_kernels.loaded()
     op = torch.ops.fp8ops_cpu.stochastic_round
     y = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):

@@ -17,7 +17,7 @@ CAST_OPS = ["amax", "quantize", "dequantize", "quantize_mx", "dequantize_mx", "q
                     reason="fp8ops/_C*.so not built (pip install --no-build-isolation -e . with nvcc)")
 def test_cast_ops_have_cuda_kernels():
     import re
-    with open(os.path.join(ROOT, "fp8ops", "ops.py")) as f:
+    with open(os.path.join(ROOT, "fp8ops", "ops", "__init__.py")) as f:
         defined = set(re.findall(r'^    "([a-z_0-9]+)": "\(', f.read(), re.M))
     assert set(CAST_OPS) <= defined, set(CAST_OPS) - defined
     # Load the library before fp8ops: fp8ops.ops would register the emulation for CUDA on a

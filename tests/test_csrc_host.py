@@ -4,7 +4,7 @@ tests/csrc/host_check.cu includes csrc/common.cuh, whose scalar helpers are __ho
 Philox4x32-10 and the per-element random words, stochastic rounding, the MX exponent (FLOOR and
 RCEIL), E8M0 decoding, the blockwise scales, scale_from_amax and the delayed-scaling scalar cores.
 It is compiled here with nvcc (host code only) and its answers are compared bit for bit with
-fp8ops._emulation. The FP8 conversion instruction itself (cvt.rn.satfinite) exists only on the
+fp8ops.ops.emulation. The FP8 conversion instruction itself (cvt.rn.satfinite) exists only on the
 device; the stochastic-rounding checks therefore compare the float32 value that the kernel
 converts (an exact FP8 value) with the emulation's FP8 result upcast to float32.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8ops import _emulation as E
+from fp8ops.ops import emulation as E
 from fp8ops.formats import get_format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8ops
-from fp8ops import _emulation as E
+from fp8ops.ops import emulation as E
 from fp8ops.formats import E4M3, E5M2
 
 ML = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}

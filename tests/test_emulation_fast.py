@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import reference_emulation as R
-from fp8ops import _emulation as E
-from fp8ops import _philox
+from fp8ops.ops import emulation as E
+from fp8ops.ops import philox
 from fp8ops.formats import E4M3, E5M2
 
 FMTS = [E4M3, E5M2]
@@ -100,14 +100,14 @@ SEEDS = [(0, 0), (1234, 5), (0x123456789ABCDEF0, 7), (2**64 - 1, 2**64 - 1), (42
 @pytest.mark.parametrize("seed,offset", SEEDS)
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 1000, 4 * 37 + 2])
 def test_random_words(seed, offset, n, monkeypatch):
-    monkeypatch.setattr(_philox, "CHUNK", 37)  # many chunks, a partial last one
+    monkeypatch.setattr(philox, "CHUNK", 37)  # many chunks, a partial last one
     same(E.random_words(n, seed, offset, "cpu"), R.random_words(n, seed, offset, "cpu"))
     u = E.uniform24(n, seed, offset, "cpu")
     same(u, (R.random_words(n, seed, offset, "cpu") >> 8).float() * 2.0 ** -24)
 
 
 def test_random_words_default_chunks():
-    n = 3 * _philox.CHUNK * 4 + 9
+    n = 3 * philox.CHUNK * 4 + 9
     same(E.random_words(n, 99, 12, "cpu"), R.random_words(n, 99, 12, "cpu"))
 
 
@@ -129,7 +129,7 @@ def test_philox_block_at_any_counter(start):
     key = (seed & 0xFFFFFFFF, seed >> 32)
     off = (offset & 0xFFFFFFFF, offset >> 32)
     bufs = [torch.empty(m, dtype=torch.int64) for _ in range(6)]
-    words = [w & 0xFFFFFFFF for w in _philox._block(start, m, key, off, bufs)]
+    words = [w & 0xFFFFFFFF for w in philox._block(start, m, key, off, bufs)]
     for i in range(m):
         j = start + i
         want = R.philox4x32_10((j & 0xFFFFFFFF, j >> 32, off[0], off[1]), key)

@@ -1,4 +1,4 @@
-"""The high-precision fallback of small layer calls (fp8ops/fallback.py): a call below the
+"""The high-precision fallback of small layer calls (fp8ops/nn/fallback.py): a call below the
 crossover is nn.Linear's exactly and leaves the FP8 state as it was; the rule comes from the
 layer option or, on a GPU, from the table measured for its model."""
 import copy
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fp8ops
-from fp8ops import fallback
+from fp8ops.nn import fallback
 
 RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
            fp8ops.BlockwiseScaling()]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fp8ops
-from fp8ops import _emulation, _fused
+from fp8ops.ops import emulation, fused
 from fp8ops.scaling import RoleState, current_scale
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -19,13 +19,13 @@ OPS = torch.ops.fp8ops
 @contextlib.contextmanager
 def device_path(on: bool):
     """on: the emulation takes the tensor formulas a GPU tensor takes (no host fast path)."""
-    saved = _emulation._on_host
+    saved = emulation._on_host
     if on:
-        _emulation._on_host = lambda t: False
+        emulation._on_host = lambda t: False
     try:
         yield
     finally:
-        _emulation._on_host = saved
+        emulation._on_host = saved
 
 
 def _inputs():
@@ -187,8 +187,8 @@ def test_opcheck(name, args):
 
 def test_column_sums_need_a_dimension():
     with pytest.raises(ValueError, match="at least one dimension"):
-        _fused.column_sums(torch.tensor(1.0), torch.float32)
-    assert _fused.column_sums(torch.tensor(1.0), None).numel() == 0
+        fused.column_sums(torch.tensor(1.0), torch.float32)
+    assert fused.column_sums(torch.tensor(1.0), None).numel() == 0
 
 
 def test_fused_cast_under_torch_compile_matches_eager():

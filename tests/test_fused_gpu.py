@@ -1,5 +1,5 @@
 """The fused casts' CUDA kernels (csrc/torch_bindings.cpp, scaling.cu) against their definition
-(fp8ops/_fused.py run on the same CUDA tensors, i.e. the unfused ops' kernels), bit for bit: data,
+(fp8ops/ops/fused.py run on the same CUDA tensors, i.e. the unfused ops' kernels), bit for bit: data,
 scales, column sums, and every buffer a delayed-scaling cast changes in place."""
 import itertools
 
@@ -9,7 +9,7 @@ import torch
 from conftest import skip_without_fp8_kernels
 
 import fp8ops  # noqa: F401
-from fp8ops import _fused
+from fp8ops.ops import fused
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +80,7 @@ def test_quantize_delayed_kernel_is_its_definition(name, algo, interval):
         ref_bufs, bufs = _buffers(i), _buffers(i)
         tail = (dtype, 1.25, interval, algo, 0.1, 90.0, i % 3 == 0, update, warm, record, True,
                 sum_dtype, stochastic, 11, i)
-        ref = _fused.quantize_delayed(x, *ref_bufs.values(), *tail)
+        ref = fused.quantize_delayed(x, *ref_bufs.values(), *tail)
         got = OPS.quantize_delayed(x, *bufs.values(), *tail)
         case = (name, algo, update, warm, record)
         for k, (a, b) in enumerate(zip(got, ref)):
@@ -97,7 +97,7 @@ def test_quantize_delayed_kernel_is_its_definition(name, algo, interval):
 def test_quantize_current_kernel_is_its_definition(name, dtype, margin, p2, stochastic):
     x = _inputs()[name]
     args = (x, dtype, margin, p2, True, torch.bfloat16, stochastic, 3, 9)
-    for k, (a, b) in enumerate(zip(OPS.quantize_current(*args), _fused.quantize_current(*args))):
+    for k, (a, b) in enumerate(zip(OPS.quantize_current(*args), fused.quantize_current(*args))):
         _equal(a, b, (name, k))
 
 
@@ -106,12 +106,12 @@ def test_block_pairs_are_their_definition(name):
     x = _inputs()[name]
     for dtype, flag in ((E4, False), (E5, True)):
         got = OPS.quantize_blockwise_pair(x, dtype, flag, torch.float32)
-        ref = _fused.quantize_blockwise_pair(x, dtype, flag, torch.float32)
+        ref = fused.quantize_blockwise_pair(x, dtype, flag, torch.float32)
         for k, (a, b) in enumerate(zip(got, ref)):
             _equal(a, b, ("blockwise", name, k))
         for block in (32, 16):  # 32: one kernel; another block: the quantizers on a padded copy
             got = OPS.quantize_mx_pair(x, dtype, block, flag, torch.bfloat16)
-            ref = _fused.quantize_mx_pair(x, dtype, block, flag, torch.bfloat16)
+            ref = fused.quantize_mx_pair(x, dtype, block, flag, torch.bfloat16)
             for k, (a, b) in enumerate(zip(got, ref)):
                 _equal(a, b, ("mx", name, block, k))
 
@@ -152,7 +152,7 @@ def test_the_random_stream_from_a_device_buffer_is_the_one_given_as_ints():
         for k, (u, v) in enumerate(zip(a, b)):
             _equal(u, v, (tr, k))
     got = OPS.quantize_current(x, E5, 1.0, False, True, None, True, 0, 0, rng)
-    ref = _fused.quantize_current(x, E5, 1.0, False, True, None, True, -9, 2 ** 40 + 1)
+    ref = fused.quantize_current(x, E5, 1.0, False, True, None, True, -9, 2 ** 40 + 1)
     for k in range(4):
         _equal(got[k], ref[k], k)
     assert rng.tolist() == [-9, 2 ** 40 + 2]

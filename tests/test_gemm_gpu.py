@@ -1,7 +1,7 @@
 """GPU tests of the CUTLASS Hopper FP8 GEMMs (fp8ops::gemm, fp8ops::gemm_blockwise).
 
 Needs an sm_90 GPU and the built extension; skipped cleanly otherwise. References, on the same
-CUDA tensors: the emulation (_emulation.gemm / gemm_blockwise, float32), a float64 product of the
+CUDA tensors: the emulation (emulation.gemm / gemm_blockwise, float32), a float64 product of the
 dequantized operands, and torch._scaled_mm on identical FP8 inputs. Every element is compared;
 a NaN anywhere fails. Outputs land in memory the caching allocator last filled with NaN, so an
 element the kernel does not write shows up.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fp8ops  # noqa: F401  (defines torch.ops.fp8ops.*)
-from fp8ops import _backend, _emulation
+from fp8ops.ops import backend, emulation
 from gemm_shapes import BLOCKWISE_SHAPES, GEMM_SHAPES
 
 pytestmark = pytest.mark.gpu
@@ -30,8 +30,8 @@ def _skip_reason():
         return "no CUDA GPU"
     if torch.cuda.get_device_capability() != (9, 0):
         return f"needs sm_90, got {torch.cuda.get_device_capability()}"
-    if not _backend.extension_loaded():
-        return f"fp8ops._C not loaded: {_backend._state['why_not']}"
+    if not backend.extension_loaded():
+        return f"fp8ops._C not loaded: {backend._state['why_not']}"
     if not torch.ops.fp8ops_C.has_cutlass_sm90():
         return "fp8ops._C built without the CUTLASS sm_90a GEMM"
     return None
@@ -135,7 +135,7 @@ def test_gemm_matches_references(shape, pair, out_dtype, bias_dtype, fast_accum)
     ref64, mag = _ref64(qa, sa, qb, sb, bias)
     tol = ACC_TOL[fast_accum]
     _check(out, ref64, mag, out_dtype, tol, "vs float64")
-    emu = _emulation.gemm(qa, qb, sa, sb, bias, out_dtype, fast_accum)
+    emu = emulation.gemm(qa, qb, sa, sb, bias, out_dtype, fast_accum)
     # The emulation is itself rounded to out_dtype: allow its rounding too.
     _check(out, emu.double(), mag, out_dtype, tol + OUT_EPS[out_dtype] * 4, "vs emulation")
 
@@ -181,13 +181,13 @@ def test_empty_problems(op, mnk, with_bias):
     if op == "gemm":
         sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")
         out = torch.ops.fp8ops.gemm(a, b, sa, sb, bias, torch.bfloat16, False)
-        ref = _emulation.gemm(a, b, sa, sb, bias, torch.bfloat16, False)
+        ref = emulation.gemm(a, b, sa, sb, bias, torch.bfloat16, False)
     else:
         kb = -(-k // 128)
         sa = torch.rand(m, kb, device="cuda") + 0.5
         sb = torch.rand(-(-n // 128), kb, device="cuda") + 0.5
         out = torch.ops.fp8ops.gemm_blockwise(a, b, sa, sb, bias, torch.bfloat16)
-        ref = _emulation.gemm_blockwise(a, b, sa, sb, bias, torch.bfloat16)
+        ref = emulation.gemm_blockwise(a, b, sa, sb, bias, torch.bfloat16)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert torch.equal(out, ref)
 
@@ -233,7 +233,7 @@ def test_gemm_blockwise(shape, pair, per_row_b, out_dtype, bias_dtype):
     torch.cuda.synchronize()
     ref64, mag = _blockwise_ref64(qa, sa, qb, sb, bias)
     _check(out, ref64, mag, out_dtype, ACC_TOL[False], "blockwise vs float64")
-    emu = _emulation.gemm_blockwise(qa, qb, sa, sb, bias, out_dtype)
+    emu = emulation.gemm_blockwise(qa, qb, sa, sb, bias, out_dtype)
     _check(out, emu.double(), mag, out_dtype, ACC_TOL[False] + 4 * OUT_EPS[out_dtype],
            "blockwise vs emulation")
 
@@ -241,7 +241,7 @@ def test_gemm_blockwise(shape, pair, per_row_b, out_dtype, bias_dtype):
 def test_registered_and_opcheck():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("fp8ops::gemm", "CUDA")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("fp8ops::gemm_blockwise", "CUDA")
-    assert _backend.backend("cuda") == "cutlass_sm90"
+    assert backend.backend("cuda") == "cutlass_sm90"
     # torch's SchemaCheckMode compares inputs with torch.allclose, which has no float8 kernel
     # ("mul_cuda" not implemented for Float8_e4m3fn): a limitation of the checker, as on the CPU.
     tests = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
@@ -289,7 +289,7 @@ def test_gemm_on_a_side_stream():
                                               torch.ones(8, 3, device="cuda"), None, torch.float32)
     side.synchronize()
     assert torch.equal(out, ref)
-    ref_blk = _emulation.gemm_blockwise(qa, qb, torch.ones(512, 3, device="cuda"),
+    ref_blk = emulation.gemm_blockwise(qa, qb, torch.ones(512, 3, device="cuda"),
                                         torch.ones(8, 3, device="cuda"), None, torch.float32)
     _, mag = _ref64(qa, sa, qb, sb, None)
     _check(blk, ref_blk.double(), mag / (sa * sb).double(), torch.float32, ACC_TOL[False] + 4 * OUT_EPS[torch.float32],

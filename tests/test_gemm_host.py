@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp8ops  # noqa: F401
-from fp8ops import _emulation
+from fp8ops.ops import emulation
 from gemm_shapes import BLOCKWISE_SHAPES, GEMM_SHAPES, HOST_ONLY_SHAPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +107,7 @@ def test_emulation_accepts_every_blockwise_shape(shape, per_row_b):
     b = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
     sa = torch.rand(m, kb, generator=g) + 0.5
     sb = torch.rand(n if per_row_b else -(-n // 128), kb, generator=g) + 0.5
-    out = _emulation.gemm_blockwise(a, b, sa, sb, None, torch.float32)
+    out = emulation.gemm_blockwise(a, b, sa, sb, None, torch.float32)
     assert out.shape == (m, n)
     ea = sa.double().repeat_interleave(128, 1)[:, :k]
     eb = (sb.double() if per_row_b else sb.double().repeat_interleave(128, 0)[:n])

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fp8ops
-from fp8ops import _emulation, _scratch
+from fp8ops.ops import emulation, scratch
 
 RECIPES = [None, fp8ops.DelayedScaling(amax_history_len=4), fp8ops.MXFP8Scaling(),
            fp8ops.BlockwiseScaling()]
@@ -229,8 +229,8 @@ def test_inference_mode_first_leaves_nothing_training_cannot_write(recipe, monke
     """An inference-mode forward that is the process's first (so the emulation's reusable
     buffers are made under inference mode), then a training step, then inference again: each
     output and gradient is the one of a layer that runs the same steps under no_grad."""
-    monkeypatch.setattr(_scratch, "_BUFFERS", _scratch._Buffers())  # none made yet
-    monkeypatch.setattr(_emulation, "_E8M0_TABLES", {})
+    monkeypatch.setattr(scratch, "_BUFFERS", scratch._Buffers())  # none made yet
+    monkeypatch.setattr(emulation, "_E8M0_TABLES", {})
     torch.manual_seed(0)
     layer = fp8ops.FP8Linear(64, 64, recipe=recipe)
     ref = copy.deepcopy(layer)

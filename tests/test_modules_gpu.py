@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 import fp8ops
-from fp8ops import _backend
+from fp8ops.ops import backend
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("needs a CUDA GPU with FP8 (sm_89+)", allow_module_level=True)
-if not _backend.extension_loaded():
-    pytest.skip(f"fp8ops._C not loaded: {_backend._state['why_not']}", allow_module_level=True)
+if not backend.extension_loaded():
+    pytest.skip(f"fp8ops._C not loaded: {backend._state['why_not']}", allow_module_level=True)
 
 RECIPES = {
     "current": fp8ops.CurrentScaling(),
@@ -103,16 +103,16 @@ def test_fp8linear_step_in_a_cuda_graph(name):
 def test_mx_gemm_uses_bf16_tensor_cores_and_matches_the_emulation():
     """On an FP8 GPU the MXFP8 GEMM dequantizes to bf16 (exact for MXFP8 values) and accumulates
     in float32 on the tensor cores: within float32 accumulation error of the emulation."""
-    from fp8ops import _emulation
+    from fp8ops.ops import emulation
     g = torch.Generator(device="cuda").manual_seed(5)
     a = torch.randn(300, 512, device="cuda", generator=g) * 4
     b = torch.randn(200, 512, device="cuda", generator=g)
     qa, sa = torch.ops.fp8ops.quantize_mx(a, torch.float8_e4m3fn, 32, 1, False)
     qb, sb = torch.ops.fp8ops.quantize_mx(b, torch.float8_e4m3fn, 32, 1, False)
     out = torch.ops.fp8ops.gemm_mx(qa, sa, qb, sb, None, torch.float32, 32)
-    ref = _emulation.gemm_mx(qa, sa, qb, sb, None, torch.float32, 32)
-    ad = _emulation.dequantize_mx(qa, sa, 32, -1, torch.float32).double()  # exact
-    bd = _emulation.dequantize_mx(qb, sb, 32, -1, torch.float32).double()
+    ref = emulation.gemm_mx(qa, sa, qb, sb, None, torch.float32, 32)
+    ad = emulation.dequantize_mx(qa, sa, 32, -1, torch.float32).double()  # exact
+    bd = emulation.dequantize_mx(qb, sb, 32, -1, torch.float32).double()
     mag = ad.abs() @ bd.abs().t()
     assert ((out.double() - ref.double()).abs() <= mag * 2.0 ** -20).all()
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import fp8ops
-from fp8ops import _emulation
-from fp8ops import cast_stats as mon_mod
+from fp8ops.ops import emulation
+from fp8ops.nn import cast_stats as mon_mod
 
 RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
            fp8ops.BlockwiseScaling()]
@@ -198,19 +198,19 @@ def test_grad_margin_scales_only_the_gradient():
 @pytest.mark.parametrize("p", [50.0, 90.0, 99.0, 100.0, 12.5])
 def test_amax_percentile_is_nearest_rank(p):
     x = torch.randn(1000, generator=torch.Generator().manual_seed(int(p * 10)))
-    got = _emulation.amax_percentile(x, p)
+    got = emulation.amax_percentile(x, p)
     want = np.percentile(np.abs(x.numpy()), p, method="inverted_cdf")
     assert got.dtype == torch.float32 and got.item() == want
 
 
 def test_amax_percentile_decimal_rank_and_specials():
     x = torch.arange(1, 10001, dtype=torch.float32)  # |x| sorted: rank k is value k
-    assert _emulation.amax_percentile(x, 99.99).item() == 9999.0  # not 10000 (float64 rounding)
-    assert _emulation.amax_percentile(-x, 100.0).item() == 10000.0
+    assert emulation.amax_percentile(x, 99.99).item() == 9999.0  # not 10000 (float64 rounding)
+    assert emulation.amax_percentile(-x, 100.0).item() == 10000.0
     y = x.clone()
     y[5] = float("nan")
-    assert torch.isnan(_emulation.amax_percentile(y, 50.0))
-    assert _emulation.amax_percentile(torch.empty(0), 99.0).item() == 0.0
+    assert torch.isnan(emulation.amax_percentile(y, 50.0))
+    assert emulation.amax_percentile(torch.empty(0), 99.0).item() == 0.0
     assert torch.ops.fp8ops.amax_percentile(x, 99.99).item() == 9999.0
     with pytest.raises(ValueError, match="amax_percentile"):
         fp8ops.CurrentScaling(amax_percentile=0.0)
@@ -221,11 +221,11 @@ def test_amax_percentile_of_a_mostly_zero_tensor_is_its_max():
     these values to zero; the amax is max |x| instead (0 only for an all-zero tensor)."""
     x = torch.zeros(8, 125)
     x[0, :4] = torch.tensor([1e-4, -2e-4, 3e-4, -4e-4])  # below half of E4M3's least subnormal
-    for fn in (_emulation.amax_percentile, torch.ops.fp8ops.amax_percentile):
+    for fn in (emulation.amax_percentile, torch.ops.fp8ops.amax_percentile):
         assert fn(x, 99.0).item() == x.abs().max().item()
         assert fn(x, 50.0).item() == x.abs().max().item()
         assert fn(torch.zeros(8, 125), 99.0).item() == 0.0
-    assert torch.isnan(_emulation.amax_percentile(x.where(x != 0, float("nan")), 99.0))
+    assert torch.isnan(emulation.amax_percentile(x.where(x != 0, float("nan")), 99.0))
     m = nn.Sequential(fp8ops.FP8Linear(125, 16, recipe=fp8ops.CurrentScaling(amax_percentile=99)))
     fp8ops.monitor(m, every=1)
     m(x)
@@ -245,7 +245,7 @@ def test_amax_percentile_lets_outliers_saturate():
     m(x)
     s = fp8ops.stats(m)
     assert s["0.input.amax"] == 1000.0
-    assert s["0.input.scale"] == pytest.approx(448.0 / _emulation.amax_percentile(x, 99.9).item())
+    assert s["0.input.scale"] == pytest.approx(448.0 / emulation.amax_percentile(x, 99.9).item())
     assert s["0.input.saturated_frac"] > 0
 
 

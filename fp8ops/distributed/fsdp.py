@@ -34,9 +34,9 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-from .. import weight_cache
-from ..autograd import in_recompute
-from ..functional import linear
+from ..nn import weight_cache
+from ..nn.autograd import in_recompute
+from ..nn.functional import linear
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, _all_reduce_amax,
                        current_scale, recipe_formats)
 from .tensor_parallel import TP_WEIGHT

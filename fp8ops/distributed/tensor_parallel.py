@@ -36,11 +36,11 @@ from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard, distri
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel)
 
-from .. import weight_cache
-from ..autograd import linear_per_tensor
 from ..formats import get_format
-from ..functional import linear
-from ..modules import FP8Conv1D, FP8Linear
+from ..nn import weight_cache
+from ..nn.autograd import linear_per_tensor
+from ..nn.functional import linear
+from ..nn.modules import FP8Conv1D, FP8Linear
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                        current_scale, shard_amax)
 

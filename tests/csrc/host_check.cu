@@ -1,6 +1,6 @@
 // Host-only checks of the scalar device math in csrc/common.cuh (no GPU needed): the test
 // tests/test_csrc_host.py compiles this with nvcc, feeds it vectors on stdin and compares the
-// answers bit for bit with fp8ops/_emulation.py.
+// answers bit for bit with fp8ops/ops/emulation.py.
 //
 // Usage: host_check MODE < input > output. Input and output are whitespace-separated tokens;
 // floats travel as their 32-bit patterns in hex, so nothing is lost in printing.

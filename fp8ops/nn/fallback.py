@@ -27,7 +27,7 @@ from typing import Union
 
 import torch
 
-from ._checks import check_int
+from .._checks import check_int
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ from typing import Optional
 
 import torch
 
-from . import _fused, amax_reduction, cast_stats
-from .scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
+from .. import amax_reduction
+from ..ops import fused
+from ..scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
+from . import cast_stats
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -118,10 +120,10 @@ def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False
         data, data_t, scale, scale_inv, sums = outs
         return data, data_t, scale, scale_inv, None if sum_dtype is None else sums
     scale = _scale_before_cast(role, x, fmt, recipe, update, margin, warm, shards)
-    data, data_t, amax = _fused.cast(x, scale, fmt.dtype, True, stochastic, 0, 0, rng)
+    data, data_t, amax = fused.cast(x, scale, fmt.dtype, True, stochastic, 0, 0, rng)
     if record:
         role.record(amax, recipe.process_group)
-    sums = None if sum_dtype is None else _fused.column_sums(x, sum_dtype)
+    sums = None if sum_dtype is None else fused.column_sums(x, sum_dtype)
     return data, data_t, scale, torch.reciprocal(scale), sums
 
 
@@ -161,7 +163,7 @@ def _wgrad(weight: torch.Tensor, gemm) -> Optional[torch.Tensor]:
 def _bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor], needed: bool):
     if bias is None or not needed:
         return None
-    return _fused.column_sums(dy2, bias.dtype)
+    return fused.column_sums(dy2, bias.dtype)
 
 
 def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

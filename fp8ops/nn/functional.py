@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .autograd import is_gathered, linear_blockwise, linear_mx, linear_per_tensor
-from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
+from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState, check_recipe)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -35,7 +35,7 @@ def load_extension() -> bool:
                              f"(built for {_built_targets()}; rebuild with TORCH_CUDA_ARCH_LIST)")
         return False
     try:
-        from . import _C  # noqa: F401
+        from .. import _C  # noqa: F401
     except ImportError as e:
         _state["why_not"] = f"the CUDA extension fp8ops._C is not built ({e})"
         return False
@@ -45,7 +45,7 @@ def load_extension() -> bool:
 
 def _build_info():
     try:
-        from . import _build_info as info
+        from .. import _build_info as info
     except ImportError:
         return None
     return info

@@ -14,9 +14,9 @@ from torch.nn import functional as F
 from .autograd import is_gathered
 from .fallback import Fallback, check_fallback, runs_fp8
 from .functional import linear
-from .scaling import ScalingState, check_recipe
+from ..scaling import ScalingState, check_recipe
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 documents
 
 # every live FP8Linear, so that an optimizer given only parameters can find the layers that
 # read a weight (CPUOffloadOptimizer)
@@ -205,7 +205,7 @@ class FP8Linear(nn.Linear):
 
 def _fsdp():
     # imported with the first DTensor weight: importing fp8ops does not import DTensor
-    from .distributed import fsdp
+    from ..distributed import fsdp
     return fsdp
 
 
@@ -298,7 +298,7 @@ def convert_to_fp8(module: nn.Module, recipe=None,
     the single-process cast); False gathers them in high precision.
 
     fallback: where a layer call runs its GEMMs in high precision instead of FP8 ("auto": the
-    crossover measured on the GPU, "never", or an fp8ops.Crossover; see fp8ops.fallback).
+    crossover measured on the GPU, "never", or an fp8ops.Crossover; see fp8ops.nn.fallback).
 
     Logs (INFO, logger "fp8ops.modules") how many layers of each kind it converted, and warns
     when it converted none (no such layer, or filter_fn rejected them all)."""

@@ -17,7 +17,7 @@ def loaded() -> bool:
             _state.update(loaded=False, why_not="FP8OPS_DISABLE_CPU_KERNELS=1")
         else:
             try:
-                from . import _cpu  # noqa: F401  (registers torch.ops.fp8ops_cpu)
+                from .. import _cpu  # noqa: F401  (registers torch.ops.fp8ops_cpu)
                 _state["loaded"] = True
             except ImportError as e:
                 _state.update(loaded=False, why_not=f"fp8ops._cpu is not built ({e})")

@@ -1,8 +1,9 @@
 """Pure-PyTorch implementation of every fp8ops op: the exact reference the CUDA kernels match.
 
-Each function has the same signature as its op in ops.py and runs on any device. The numerics are
-those of DESIGN.md sections 3-5: one float32 multiply by the scale, clamp (so +-inf saturate and
-torch's version-dependent overflow never matters), round to nearest even, NaN written as 0x7F.
+Each function has the same signature as its op (schemas in ops/__init__.py) and runs on any
+device. The numerics are those of DESIGN.md sections 3-5: one float32 multiply by the scale, clamp
+(so +-inf saturate and torch's version-dependent overflow never matters), round to nearest even,
+NaN written as 0x7F.
 
 The full-size passes avoid boolean masks (torch.where, isnan, comparisons): on CPU those run an
 order of magnitude slower than arithmetic. Masks stay on the small per-block and per-tensor
@@ -17,10 +18,10 @@ from typing import Optional
 
 import torch
 
-from . import _cpu_kernels, _philox
-from ._philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
-from ._scratch import scratch, scratch_like
-from .formats import E8M0_BIAS, E8M0_NAN, get_format
+from . import cpu_kernels, philox
+from .philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
+from .scratch import scratch, scratch_like
+from ..formats import E8M0_BIAS, E8M0_NAN, get_format
 
 FLT_MAX = torch.finfo(torch.float32).max
 FLT_MIN = torch.finfo(torch.float32).tiny
@@ -137,7 +138,7 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# stochastic rounding (DESIGN.md section 4); the random words come from _philox.py
+# stochastic rounding (DESIGN.md section 4); the random words come from philox.py
 # ----------------------------------------------------------------------------------------------
 def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: bool = True,
                     clamp: bool = True) -> torch.Tensor:
@@ -150,8 +151,8 @@ def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: 
     - y = +-0 gives k = 0, so copysign(0, y) = y; NaN stays NaN (its byte is canonical anyway).
     clamp=False: the caller knows |y| <= max already. On the CPU with fp8ops._cpu built, its
     kernel (csrc/stochastic_cpu.cpp) runs these steps, the clamp included, in one pass."""
-    if _on_host(y) and y.is_contiguous() and _cpu_kernels.loaded():
-        m = _philox.MASK32
+    if _on_host(y) and y.is_contiguous() and cpu_kernels.loaded():
+        m = philox.MASK32
         return torch.ops.fp8ops_cpu.stochastic_round(y, fmt.dtype, seed & m, (seed >> 32) & m,
                                                      offset & m, (offset >> 32) & m)
     if clamp:
@@ -249,7 +250,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int, axis: int,
         raise ValueError(f"quantize_mx: axis {axis} must exist and its length must be a multiple "
                          f"of block_size {block_size}; got shape {tuple(x.shape)}")
     axis = axis % x.dim()
-    if _on_host(x) and _cpu_kernels.loaded():  # csrc/mx_cpu.cpp: the steps below in one pass
+    if _on_host(x) and cpu_kernels.loaded():  # csrc/mx_cpu.cpp: the steps below in one pass
         return torch.ops.fp8ops_cpu.quantize_mx(x.contiguous(), dtype, block_size, axis, rceil)
     xb = _split_axis(_f32(x), block_size, axis)
     amax_b = _abs_max(xb, dim=axis + 1)  # scales' shape: x's with axis divided by the block
@@ -384,7 +385,7 @@ def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: i
                            power_of_two: bool):
     """quantize_blockwise of a dense float32 [R, C]. On the CPU with fp8ops._cpu built, its
     kernels (csrc/blockwise_cpu.cpp) make the two full-size passes: tile amax and the cast."""
-    kernels = _on_host(x2) and _cpu_kernels.loaded()
+    kernels = _on_host(x2) and cpu_kernels.loaded()
     if kernels:
         amax_b = torch.ops.fp8ops_cpu.tile_amax(x2, block_rows, block_cols)
     else:

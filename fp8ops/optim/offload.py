@@ -14,7 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from .host_weight import OffloadedWeight
-from .modules import is_dtensor, layers_by_weight
+from ..nn.modules import is_dtensor, layers_by_weight
 from .offload_param import OffloadedParam, owner
 
 # torch optimizers with a fused CPU step: the host step uses it unless fused/foreach are given

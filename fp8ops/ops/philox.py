@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._scratch import scratch
+from .scratch import scratch
 
 MASK32 = 0xFFFFFFFF
 _M = (0xD2511F53, 0xCD9E8D57)

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from .formats import get_format
+from ..formats import get_format
 
 STATS = ("amax", "scale", "amax_history_max", "saturated_frac", "underflow_frac", "nonfinite",
          "nonfinite_casts", "block_scale_log2_min", "block_scale_log2_max",

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import _emulation
+from . import emulation
 
 _MM_OUT_DTYPE = [True]  # cleared if this torch has no aten::mm.dtype for CUDA
 
@@ -20,7 +20,7 @@ _MM_OUT_DTYPE = [True]  # cleared if this torch has no aten::mm.dtype for CUDA
 def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
     if not a.is_cuda or not _MM_OUT_DTYPE[0]:
-        return _emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
+        return emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
     # one kernel each (fp8ops' dequantize_mx, bit-exact with the emulation's), straight to bf16
     ad = torch.ops.fp8ops.dequantize_mx(a, a_scales, block_size, -1, torch.bfloat16)
     bd = torch.ops.fp8ops.dequantize_mx(b, b_scales, block_size, -1, torch.bfloat16)
@@ -28,5 +28,5 @@ def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: 
         acc = torch.mm(ad, bd.t(), out_dtype=torch.float32)
     except (RuntimeError, TypeError):  # an older torch: float32 matmul, as the emulation
         _MM_OUT_DTYPE[0] = False
-        return _emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
-    return _emulation._epilogue(acc, bias, out_dtype)
+        return emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
+    return emulation._epilogue(acc, bias, out_dtype)

@@ -1,7 +1,13 @@
 """The fp8ops operators: schemas (defined here, in Python), fake implementations and dispatch.
 
-CPU kernels come from `_emulation`. CUDA kernels come from the C++ extension `fp8ops._C`
-(csrc/torch_bindings.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `_backend.load_extension()`
+The op layer's modules: emulation.py (every op in PyTorch, the bit-exact reference; philox.py
+makes its random words, scratch.py keeps its reused buffers, cpu_kernels.py loads its C++ kernels
+fp8ops._cpu), fused.py (the training step's one-call casts as the ops they fuse), backend.py
+(which implementation runs where) and gemm_mx_cuda.py (the MX GEMM on GPUs without a kernel of
+ours for it).
+
+CPU kernels come from `emulation`. CUDA kernels come from the C++ extension `fp8ops._C`
+(csrc/torch_bindings.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `backend.load_extension()`
 loads it; otherwise the emulation serves CUDA tensors too. Call ops as torch.ops.fp8ops.<name>.
 """
 from __future__ import annotations
@@ -10,7 +16,7 @@ import functools
 
 import torch
 
-from . import _backend, _emulation, _fused
+from . import backend, emulation, fused
 
 _lib = torch.library.Library("fp8ops", "DEF")
 _F32 = torch.float32
@@ -44,7 +50,7 @@ SCHEMAS = {
                "ScalarType out_dtype, int block_size) -> Tensor",
 }
 
-# The casts of the training step, one call each (fp8ops/_fused.py gives their meaning in terms of
+# The casts of the training step, one call each (fused.py gives their meaning in terms of
 # the ops above). The per-tensor ones carry their scale math and amax bookkeeping and return
 # (data, data_t, scale, scale_inv, column_sums): the scale the cast used and its reciprocal (new
 # tensors); with rng (int64 [seed, offset]) a stochastic cast reads its random stream from it and
@@ -75,12 +81,12 @@ FUSED_SCHEMAS = {
 
 def _emulated(name):
     """The emulation kernel of an op."""
-    return _without_grad(getattr(_emulation, name))
+    return _without_grad(getattr(emulation, name))
 
 
 def _composite(name):
     """A fused op as the unfused ops it stands for (each with its own kernel, on any device)."""
-    return _without_grad(getattr(_fused, name))
+    return _without_grad(getattr(fused, name))
 
 
 def _without_grad(fn):
@@ -114,16 +120,16 @@ for _name, _schema in FUSED_SCHEMAS.items():
 # The C++ kernels register themselves for CUDA when the extension loads; any op it does not
 # cover (or every op, when it is not loaded) runs the emulation on CUDA tensors; a fused op it does
 # not cover runs as its unfused ops (each with its CUDA kernel).
-_backend.load_extension()
+backend.load_extension()
 for _name in FUSED_SCHEMAS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
         _lib.impl(_name, _composite(_name), "CUDA")
 for _name in SCHEMAS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{_name}", "CUDA"):
-        if _name == "gemm_mx" and _backend.extension_loaded():
+        if _name == "gemm_mx" and backend.extension_loaded():
             # an FP8 GPU with no MX GEMM kernel of ours: bf16 tensor cores, not a float32 matmul
-            from . import _gemm_mx_cuda
-            _lib.impl(_name, torch.no_grad()(_gemm_mx_cuda.gemm_mx), "CUDA")
+            from . import gemm_mx_cuda
+            _lib.impl(_name, torch.no_grad()(gemm_mx_cuda.gemm_mx), "CUDA")
         else:
             _lib.impl(_name, _emulated(_name), "CUDA")
 
@@ -244,7 +250,7 @@ def _sums(x, sum_dtype):
 def _(x, dtype, power_of_two, sum_dtype=None):
     torch._check(x.dim() == 2, lambda: "fp8ops: quantize_blockwise_pair: x must be 2-D")
     m, k = x.shape
-    # the scales with their rows contiguous (_fused.mn_major): [blocks, rows] buffers, transposed
+    # the scales with their rows contiguous (fused.mn_major): [blocks, rows] buffers, transposed
     return (x.new_empty((m, k), dtype=dtype), x.new_empty(((k + 127) // 128, m), dtype=_F32).t(),
             x.new_empty((k, m), dtype=dtype), x.new_empty(((m + 127) // 128, k), dtype=_F32).t(),
             _sums(x, sum_dtype))

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from ._emulation import scale_from_amax
-from .formats import get_format
+from .emulation import scale_from_amax
+from ..formats import get_format
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
