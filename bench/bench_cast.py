@@ -29,7 +29,8 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _cases(x, scale):
-    """name -> (fp8ops fn, emulation fn, bytes moved, unfused fn or None). x is bf16 [rows, cols]."""
+    """name -> (fp8ops fn, emulation fn or None, bytes moved, unfused fn or None); x is bf16
+    [rows, cols]."""
     import fp8ops  # noqa: F401
     from fp8ops.ops import emulation as emu
     from fp8ops.ops import fused
@@ -62,9 +63,9 @@ def _cases(x, scale):
 
 
 def _fused_cases(x, ops, fused):
-    """The training step's one-call casts: (op, its unfused definition also as the "emulation"
-    column's function, bytes, the unfused definition). Outputs: the data, its transposed copy,
-    the scales; with `+ dbias` also the column sums (bf16)."""
+    """The training step's one-call casts: (op, None: their emulation is the unfused definition
+    (fp8ops/ops/fused.py), timed in its own column, bytes, that definition). Outputs: the data,
+    its transposed copy, the scales; with `+ dbias` also the column sums (bf16)."""
     n = x.numel()
     rows, cols = x.shape
     bf16 = torch.bfloat16
@@ -93,7 +94,7 @@ def _fused_cases(x, ops, fused):
                                  2 * n + rows * cols_p + rows_p * cols_p
                                  + rows * cols_p // 32 + rows_p * cols_p // 32),
     }
-    return {name: (fn, unfused, nbytes, unfused) for name, (fn, unfused, nbytes) in out.items()}
+    return {name: (fn, None, nbytes, unfused) for name, (fn, unfused, nbytes) in out.items()}
 
 
 def _role_buffers(device):

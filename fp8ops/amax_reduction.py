@@ -3,9 +3,9 @@
 A delayed-scaling cast records its amax on its own rank (ScalingState.record_locally), a shard
 of a tensor-parallel tensor too. The records of every layer whose backward ran are folded across
 the ranks by one MAX all-reduce per process group (plus one over the TP mesh where the group
-leaves out the other shards), run when the backward pass ends (an autograd engine callback of the running
-graph task), instead of one per layer: a transformer of L layers makes 1 small collective per
-step, not 7 L, and the step's latency no longer grows with depth.
+leaves out the other shards), run when the backward pass ends (an autograd engine callback of
+the running graph task), instead of one per layer: a transformer of L layers makes 1 small
+collective per step, not 7 L, and the step's latency no longer grows with depth.
 
 Every rank runs the same layers' backward in the same order, so every rank packs the same
 buffers in the same order (the assumption one all-reduce per layer made too). A record that a
