@@ -63,3 +63,13 @@ def test_no_ptx_means_no_newer_gpu(monkeypatch):
     monkeypatch.setattr(fp8ops.ops.backend, "_build_info", lambda: NoPtx)
     assert not fp8ops.ops.backend.kernels_built_for((10, 0))
     assert "PTX none" in fp8ops.ops.backend._built_targets()
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a torch built without CUDA")
+def test_mx_gemm_finds_the_bf16_mm_of_this_torch():
+    """On an FP8 GPU without an MX GEMM kernel of ours, gemm_mx multiplies on the bf16 tensor
+    cores through aten::mm's out_dtype overload. The check for it asks the dispatcher, so it is
+    answered here without a GPU: a wrong name would send every call to the float32 GEMM."""
+    from fp8ops.ops import gemm_mx_cuda
+    assert gemm_mx_cuda.BF16_MM
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CPU")

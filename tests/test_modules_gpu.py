@@ -103,7 +103,8 @@ def test_fp8linear_step_in_a_cuda_graph(name):
 def test_mx_gemm_uses_bf16_tensor_cores_and_matches_the_emulation():
     """On an FP8 GPU the MXFP8 GEMM dequantizes to bf16 (exact for MXFP8 values) and accumulates
     in float32 on the tensor cores: within float32 accumulation error of the emulation."""
-    from fp8ops.ops import emulation
+    from fp8ops.ops import emulation, gemm_mx_cuda
+    assert gemm_mx_cuda.BF16_MM, "this torch has no bf16 x bf16 -> float32 mm on CUDA"
     g = torch.Generator(device="cuda").manual_seed(5)
     a = torch.randn(300, 512, device="cuda", generator=g) * 4
     b = torch.randn(200, 512, device="cuda", generator=g)

@@ -14,19 +14,18 @@ import torch
 
 from . import emulation
 
-_MM_OUT_DTYPE = [True]  # cleared if this torch has no aten::mm.dtype for CUDA
+# Whether this torch multiplies bf16 into float32 on CUDA (aten::mm.dtype); an older one takes
+# the emulation's float32 GEMM. Asked of the dispatcher once: an error of the call itself (out of
+# memory, say) is the caller's to see, never a reason to change paths.
+BF16_MM = ("dtype" in torch.ops.aten.mm.overloads()
+           and torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA"))
 
 
 def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    if not a.is_cuda or not _MM_OUT_DTYPE[0]:
+    if not a.is_cuda or not BF16_MM:
         return emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
     # one kernel each (fp8ops' dequantize_mx, bit-exact with the emulation's), straight to bf16
     ad = torch.ops.fp8ops.dequantize_mx(a, a_scales, block_size, -1, torch.bfloat16)
     bd = torch.ops.fp8ops.dequantize_mx(b, b_scales, block_size, -1, torch.bfloat16)
-    try:
-        acc = torch.mm(ad, bd.t(), out_dtype=torch.float32)
-    except (RuntimeError, TypeError):  # an older torch: float32 matmul, as the emulation
-        _MM_OUT_DTYPE[0] = False
-        return emulation.gemm_mx(a, a_scales, b, b_scales, bias, out_dtype, block_size)
-    return emulation._epilogue(acc, bias, out_dtype)
+    return emulation._epilogue(torch.mm(ad, bd.t(), out_dtype=torch.float32), bias, out_dtype)
