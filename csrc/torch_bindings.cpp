@@ -497,19 +497,15 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
   check_same_device(amax_history, x, "amax_history", "x");
   // the buffers change in place: each must be the tensor itself, not a copy
   FP8OPS_CHECK(amax_history.is_contiguous(), "fp8ops: ", op, ": amax_history must be contiguous");
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&scale_inv, "scale_inv"}}) {
-    check_cuda(*t, name);
-    check_same_device(*t, x, name, "x");
-    FP8OPS_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, "fp8ops: ", op, ": ", name,
-                " must be a one-element float32 tensor");
-  }
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&step, "step"},
-                                std::pair<const at::Tensor*, const char*>{&nonfinite_count, "nonfinite_count"}}) {
-    check_cuda(*t, name);
-    check_same_device(*t, x, name, "x");
-    FP8OPS_CHECK(t->scalar_type() == at::kLong && t->numel() == 1, "fp8ops: ", op, ": ", name,
-                " must be a one-element int64 tensor, got ", dtype_str(t->scalar_type()));
-  }
+  const auto check_scalar = [&](const at::Tensor& t, const char* name, at::ScalarType type) {
+    check_cuda(t, name);
+    check_same_device(t, x, name, "x");
+    FP8OPS_CHECK(t.scalar_type() == type && t.numel() == 1, "fp8ops: ", op, ": ", name, " must be a one-element ",
+                dtype_str(type), " tensor, got ", dtype_str(t.scalar_type()), " ", shape_str(t));
+  };
+  check_scalar(scale_inv, "scale_inv", at::kFloat);
+  check_scalar(step, "step", at::kLong);
+  check_scalar(nonfinite_count, "nonfinite_count", at::kLong);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous();
   cudaStream_t stream = stream_of(xc);

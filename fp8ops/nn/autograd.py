@@ -53,17 +53,17 @@ def _shards(state: Optional[ScalingState], role: str):
     return None if state is None else state.shard_meshes.get(role)
 
 
-def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float,
-                       warm: Optional[bool] = None, shards=None) -> torch.Tensor:
+def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float, warm: bool,
+                       shards) -> torch.Tensor:
     """The scale for casting x: from the delayed-scaling role (stepped first when `step`), or,
-    with no role (current scaling), from x's own amax. warm (default: the role has recorded
-    nothing yet): use x's own amax, not the initial scale 1.0. shards: x is one shard of a
-    tensor sharded over this mesh, whose amax is the MAX over the shards (a role all-reduces
-    over its own shard_mesh)."""
+    with no role (current scaling), from x's own amax. warm: use x's own amax, not the role's
+    scale (the role has recorded nothing yet). shards: x is one shard of a tensor sharded over
+    this mesh, whose amax is the MAX over the shards (a role all-reduces over its own
+    shard_mesh)."""
     if role is not None:
         if step:
             role.update(recipe, fmt, margin)
-        if not role.started if warm is None else warm:
+        if warm:
             return role.warm_scale(x, fmt, margin, recipe)
         return role.scale.clone()  # a copy: the buffer changes before backward uses it
     pct = getattr(recipe, "amax_percentile", None)

@@ -78,7 +78,6 @@ FUSED_SCHEMAS = {
 }
 
 
-
 def _emulated(name):
     """The emulation kernel of an op."""
     return _without_grad(getattr(emulation, name))
