@@ -198,9 +198,16 @@ def init_rank(rank, world, backend, out_dir, threads) -> torch.device:
 
 
 def leave_rank() -> None:
-    """Leave together: no rank tears down while another is still in a collective."""
+    """Leave together (no rank tears down while another is still in a collective), then end the
+    process without the interpreter's teardown: FSDP2's process group outlives
+    destroy_process_group() (DTensor's sharding caches keep its DeviceMesh, and with it the
+    gloo/NCCL threads), and tearing the interpreter down concurrently with those threads now and
+    then aborts the process. Call it last, once the results are saved."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _entry(rank, world, backend, jobs, out_dir, seq_len, threads):
