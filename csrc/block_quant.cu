@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) blockwise_kernel(QuantizeBlockwisePa
   uint8_t* dt = p.data + r0 * p.cols + c0;
   for (int e = lane; e < n_el; e += G) {
     const int64_t off = int64_t(e / w) * p.cols + e % w;
-    dt[off] = s.bad ? kNanByte : to_fp8<F>(__fmul_rn(to_float(xt[off]), s.scale));
+    dt[off] = block_quant<F>(to_float(xt[off]), s);
   }
   if (lane == 0) p.scale_inv[tile] = s.scale_inv;
 }

@@ -14,11 +14,6 @@ namespace {
 constexpr int kTile = kBlockwisePairTile;
 constexpr int kThreads = 256;
 
-template <Fp8 F>
-__device__ __forceinline__ uint8_t block_quant(float v, const BlockScale& s) {
-  return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.scale));
-}
-
 // kVec: 16-byte loads (x 16-byte aligned, cols a multiple of the vector): a vector is wholly
 // inside x or wholly outside.
 template <typename T, Fp8 F, bool kVec>

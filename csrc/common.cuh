@@ -282,7 +282,7 @@ __device__ __forceinline__ uint8_t to_fp8_stochastic(float y, uint32_t rnd) {
   return to_fp8<F>(stochastic_value<F>(y, rnd));  // exact: an FP8 value
 }
 
-// ---- MXFP8 scale (DESIGN.md section 5; _emulation.mx_exponent) -------------------------------
+// ---- MXFP8 scale (DESIGN.md section 5; emulation.mx_exponent) -------------------------------
 struct MxScale {
   float mul;     // 2^-e
   uint8_t byte;  // e + 127, or 0xFF for a block holding NaN / inf
@@ -315,7 +315,7 @@ __device__ __forceinline__ uint8_t mx_quant(float v, const MxScale& s) {
   return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.mul));
 }
 
-// ---- blockwise scales (DESIGN.md section 5; _emulation.blockwise_scales) ----------------------
+// ---- blockwise scales (DESIGN.md section 5; emulation.blockwise_scales) ----------------------
 struct BlockScale {
   float scale, scale_inv;
   bool bad;
@@ -346,7 +346,13 @@ __host__ __device__ __forceinline__ BlockScale block_scale(uint32_t amax_bits, b
   return {scale, scale_inv, false};
 }
 
-// ---- delayed scaling, scalar cores (_emulation.scale_from_amax / delayed_scale_update) ---------
+// One element of a block: its byte under the block's scale (NaN bytes for a bad block).
+template <Fp8 F>
+__device__ __forceinline__ uint8_t block_quant(float v, const BlockScale& s) {
+  return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.scale));
+}
+
+// ---- delayed scaling, scalar cores (emulation.scale_from_amax / delayed_scale_update) ---------
 // scale = max / (amax * margin); amax 0 or non-finite: prev; inf: FLT_MAX; 0: FLT_MIN;
 // power_of_two: rounded down to a power of two.
 __host__ __device__ __forceinline__ float scale_from_amax(float amax, float prev, float fp8_max, float margin,

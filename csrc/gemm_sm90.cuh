@@ -290,7 +290,7 @@ struct GemmBlockwiseSm90Types {
 // scale_core(scaleA, scaleB): accum += partial * scaleA * scaleB, whose first product
 // overflows float32 where the result does not (activations near 1e37 times small weights). The
 // specialization below makes that path combine the two scales first as well, so both paths and
-// the emulation (_emulation.gemm_blockwise) compute acc += partial * (sa * sb).
+// the emulation (emulation.gemm_blockwise) compute acc += partial * (sa * sb).
 //
 // The accumulator type GmmaFP8Accumulation wraps: the kernel allocates it as
 // partition_fragment_C(TiledMma, tile (M, N)) and hands it to the mainloop.

@@ -8,13 +8,13 @@
 
 namespace fp8ops_cpu {
 
-// _emulation._stochastic_fp8 of a contiguous float32 y (already scaled): the FP8 data, y's shape;
+// emulation._stochastic_fp8 of a contiguous float32 y (already scaled): the FP8 data, y's shape;
 // the random word of flat element i from the stream (seed, offset), each given as its 32-bit
 // halves (a schema int is int64; seeds use all 64 bits).
 at::Tensor stochastic_round_cpu(const at::Tensor& y, at::ScalarType dtype, int64_t seed_lo,
                                 int64_t seed_hi, int64_t offset_lo, int64_t offset_hi);
 
-// (data, scales) of _emulation.quantize_mx for a contiguous float32 / bfloat16 / float16 x.
+// (data, scales) of emulation.quantize_mx for a contiguous float32 / bfloat16 / float16 x.
 std::tuple<at::Tensor, at::Tensor> quantize_mx_cpu(const at::Tensor& x, at::ScalarType dtype,
                                                    int64_t block_size, int64_t axis, bool rceil);
 

@@ -15,7 +15,7 @@
 namespace fp8ops_cpu {
 namespace {
 
-// _emulation._mx_exponent_bits for one block's max |x| (as bits): the E8M0 scale byte, and the
+// emulation._mx_exponent_bits for one block's max |x| (as bits): the E8M0 scale byte, and the
 // multiplier 2^-e (NaN for a block holding NaN or inf, which makes all its data NaN).
 template <class F>
 FP8OPS_ALWAYS_INLINE uint8_t mx_scale(uint32_t amax_bits, bool rceil, float* mult) {
@@ -71,7 +71,7 @@ FP8OPS_CPU_CLONES void quantize_mx_rows_e5m2(const float* x, uint8_t* data, uint
 
 }  // namespace
 
-// (data, scales) as _emulation.quantize_mx, for a contiguous float32 / bfloat16 / float16 CPU x.
+// (data, scales) as emulation.quantize_mx, for a contiguous float32 / bfloat16 / float16 CPU x.
 std::tuple<at::Tensor, at::Tensor> quantize_mx_cpu(const at::Tensor& x, at::ScalarType dtype,
                                                    int64_t block_size, int64_t axis, bool rceil) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "quantize_mx_cpu: x must be a contiguous CPU tensor");
