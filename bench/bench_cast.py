@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (add_smoke_options, device_info, results_dir, time_cuda,  # noqa: E402
-                     time_step)
+                     time_step, write_table)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 E4M3 = torch.float8_e4m3fn
@@ -183,13 +183,9 @@ def main():
         emu_s = "" if emu != emu else f"{emu:.0f}"
         unfused_s = "" if unfused != unfused else f"{unfused:.0f}"
         lines.append(f"| {mb} | {name} | {t:.4f} | {gbs:.0f} | {ratio:.2f} | {emu_s} | {unfused_s} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
+    write_table(out_dir, "cast.md", "\n".join(lines) + "\n")
     if out_dir is None:
         return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "cast.md"), "w") as f:
-        f.write(table)
     try:
         import matplotlib
 

@@ -43,10 +43,8 @@ def test_bench_linear_smoke(tmp_path):
         assert f"'{kind}'): Crossover(min_tokens=" in table, kind  # a row per recipe
 
 
-
 def test_crossover_runs_fp8_only_where_it_was_measured_faster():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import bench_linear
     measured = [((16384, 8192, 7168), 1.6), ((16384, 8192, 1280), 1.3), ((4096, 4096, 4096), 1.1),
                 ((1024, 4096, 4096), 0.8), ((4096, 512, 512), 0.6), ((16384, 4096, 14336), None)]
