@@ -347,7 +347,7 @@ class ScalingState(nn.Module):
         # FP8 all-gather under FSDP2: (id, version) of the sharded weight the decided cast scale
         # is for (None: any, once: a restored scale; distributed/fsdp.py)
         self._gathered_key = None
-        self._gathered_amax = None  # (weight key, amax, finite) all-reduced for the next decision
+        self._gathered_amax = None  # (weight key, amax, finite, scales made) for the next decision
         self._decisions = 0  # FP8 all-gather scales decided so far (numbers them)
         # under torch.distributed: the roles with amaxes recorded on this rank only, since the
         # last reduce_records()
@@ -523,12 +523,15 @@ class ScalingState(nn.Module):
         """Order this state's device work (role buffers updated in place, the cached weight)
         after the stream that used it last: a forward on a side stream, its backward or the next
         forward on another, must not race. Also keeps a reused cast's memory from being handed
-        out while the new stream still reads it. CUDA only; nothing under torch.compile."""
+        out while the new stream still reads it. CUDA only; nothing under torch.compile.
+
+        Under CUDA-graph capture a wait on a stream outside the capture is an error: there the
+        capture's caller orders the streams (torch.cuda.graph synchronizes the device first)."""
         if device.type != "cuda" or torch.compiler.is_compiling():
             return
         stream = torch.cuda.current_stream(device)
         last = self._stream
-        if last is not None and last != stream:
+        if last is not None and last != stream and not _outside_capture(last, stream):
             stream.wait_stream(last)
             entry = self._weight_cache
             for t in tree_leaves(None if entry is None else entry.payload):
@@ -680,6 +683,14 @@ register_optimizer_step_post_hook(_after_optimizer_step)
 
 def _capturing(weight: torch.Tensor) -> bool:
     return weight.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _outside_capture(last: torch.cuda.Stream, stream: torch.cuda.Stream) -> bool:
+    """Whether stream is capturing a CUDA graph that last takes no part in."""
+    if not torch.cuda.is_current_stream_capturing():
+        return False
+    with torch.cuda.stream(last):
+        return not torch.cuda.is_current_stream_capturing()
 
 
 def _readable(state_dict, key: str, shape: tuple) -> Optional[torch.Tensor]:
