@@ -108,6 +108,20 @@ def test_auto_takes_the_row_measured_for_the_gpu_model_and_recipe(monkeypatch):
     assert fallback.crossover("auto", cuda, current) is None
 
 
+@pytest.mark.parametrize("recipe, m, k, n, fp8", [
+    (fp8ops.CurrentScaling(), 16384, 8192, 7168, True),
+    (fp8ops.DelayedScaling(), 16384, 4096, 14336, True),
+    (fp8ops.BlockwiseScaling(), 16384, 8192, 1280, False),  # measured 0.78x
+    (fp8ops.CurrentScaling(), 8192, 4096, 4096, False),  # measured 0.94x
+    (fp8ops.MXFP8Scaling(), 16384, 8192, 7168, False),  # measured 0.68x
+])
+def test_the_h200_rows_run_fp8_only_where_it_was_measured_faster(monkeypatch, recipe, m, k, n,
+                                                                 fp8):
+    monkeypatch.setattr(fallback, "_device_name", lambda index: "NVIDIA H200")
+    rule = fallback.crossover("auto", torch.device("cuda", 0), recipe)
+    assert rule is not None and rule.runs_fp8(m, k, n) == fp8
+
+
 def test_convert_to_fp8_sets_the_fallback_and_stats_count_it():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
     rule = fp8ops.Crossover(min_in_features=32, min_out_features=16)

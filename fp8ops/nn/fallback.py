@@ -48,9 +48,16 @@ class Crossover:
 
 
 # (GPU model as torch.cuda.get_device_name gives it, recipe class name) -> the crossover measured
-# there, e.g. ("NVIDIA H100 80GB HBM3", "CurrentScaling"). Nothing measured yet with the fused
-# casts (bench/RESULTS.md): "auto" runs FP8 everywhere until rows are added here.
-MEASURED: "dict[tuple[str, str], Crossover]" = {}
+# there by bench/bench_linear.py (bench/RESULTS.md, 2026-11-26). A model without rows (the H100
+# has none yet with the fused casts) runs FP8 everywhere. On the H200 only the largest measured
+# shapes won; MXFP8 won at none (its row lies past every measured size: bf16 wherever measured).
+# Crossover(min_tokens, min_in_features, min_out_features).
+MEASURED: "dict[tuple[str, str], Crossover]" = {
+    ("NVIDIA H200", "CurrentScaling"): Crossover(16384, 4096, 7168),
+    ("NVIDIA H200", "DelayedScaling"): Crossover(16384, 4096, 7168),
+    ("NVIDIA H200", "BlockwiseScaling"): Crossover(16384, 4096, 7168),
+    ("NVIDIA H200", "MXFP8Scaling"): Crossover(16385, 8193, 14337),
+}
 
 Fallback = Union[str, Crossover]
 
