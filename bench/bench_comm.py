@@ -249,7 +249,9 @@ def rows(results):
             model=model_name, recipe=recipe,
             gather={"": "bf16", "bf16": "bf16", "fp8": "FP8"}[gather],
             all_gather_bytes=r["bytes"]["all_gather"],
-            all_gather_ratio=r["bytes"]["all_gather"] / base["bytes"]["all_gather"],
+            # one process gathers nothing (FSDP2 at world 1): no ratio to give
+            all_gather_ratio=(r["bytes"]["all_gather"] / base["bytes"]["all_gather"])
+            if base["bytes"]["all_gather"] else float("nan"),
             weight_bytes=r["weight_bytes"],
             weight_ratio=(r["weight_bytes"] / base["weight_bytes"]) if base["weight_bytes"]
             else float("nan"),

@@ -30,3 +30,14 @@ def test_bench_comm_tiny(tmp_path):
     table = out.read_text()
     assert "| tiny | current | FP8 | 4/4 |" in table and "| 0.5000 |" in table, table
     assert (tmp_path / "comm.json").exists()
+
+
+def test_bench_comm_one_process_has_no_all_gather_ratio(tmp_path):
+    """FSDP2 in one process gathers nothing: the table says nan rather than dividing by 0."""
+    out = tmp_path / "comm.md"
+    results = bench_comm.main(["--world", "1", "--models", "tiny", "--recipes", "current",
+                               "--gathers", "fp8", "--out", str(out)])
+    assert results["tiny", "bf16"]["bytes"]["all_gather"] == 0
+    rows = {r["recipe"]: r for r in bench_comm.rows(results)}
+    assert all(r["all_gather_ratio"] != r["all_gather_ratio"] for r in rows.values())  # nan
+    assert "| tiny | current | FP8 |" in out.read_text()
