@@ -10,6 +10,7 @@ each step); reported: the median per variant over all rounds and the speed-up bf
 time, with its geometric mean over the shapes. Random inputs, the same for every variant.
 
     python bench/bench_linear.py [--rounds R] [--iters N] [--recipes current,delayed,...]
+    python bench/bench_linear.py --with-auto   # also each recipe with fallback="auto"
     python bench/bench_linear.py --device cpu --smoke     # runs end to end; not a measurement
 
 Writes bench/results/linear.md (a smoke run only to --out) and prints it.
@@ -47,13 +48,13 @@ def recipes():
             "mxfp8": fp8ops.MXFP8Scaling(), "blockwise": fp8ops.BlockwiseScaling()}
 
 
-def fp8_copy(base, recipe):
+def fp8_copy(base, recipe, fallback="never"):
     import fp8ops
-    # FP8 at every shape (no high-precision fallback): these speed-ups are what the fallback's
-    # crossover table (fp8ops/nn/fallback.py) is read from
+    # "never": FP8 at every shape, the speed-ups the fallback's crossover table
+    # (fp8ops/nn/fallback.py) is read from; "auto": what a user gets, that table applied
     layer = fp8ops.FP8Linear(base.in_features, base.out_features, bias=False, recipe=recipe,
                              device=base.weight.device, dtype=base.weight.dtype,
-                             fallback="never")
+                             fallback=fallback)
     layer.weight.data.copy_(base.weight.data)
     return layer
 
@@ -87,6 +88,8 @@ def main(argv=None) -> list:
     ap.add_argument("--iters", type=int, default=10, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--with-auto", action="store_true",
+                    help='also time each recipe with fallback="auto" (columns "<recipe> auto")')
     add_smoke_options(ap, "tiny shapes, 1 round of 2 steps: checks that it runs, measures nothing")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -95,7 +98,8 @@ def main(argv=None) -> list:
 
     dev = args.device
     info = device_info(dev)
-    names = [r for r in args.recipes.split(",") if r]
+    recipe_names = [r for r in args.recipes.split(",") if r]
+    names = recipe_names + ([f"{r} auto" for r in recipe_names] if args.with_auto else [])
     rows = []
     for m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
         torch.manual_seed(0)
@@ -104,8 +108,10 @@ def main(argv=None) -> list:
         dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
         steps, row = {"bf16": train_step(base, x, dy)}, {}
         for name in names:
+            recipe, _, auto = name.partition(" ")
             try:
-                steps[name] = train_step(fp8_copy(base, recipes()[name]), x, dy)
+                steps[name] = train_step(fp8_copy(base, recipes()[recipe], auto or "never"),
+                                         x, dy)
             except Exception as exc:  # noqa: BLE001 - recorded in the table instead
                 row[name] = error_text(exc)
         row.update(interleaved(steps, dev, args.rounds, args.iters, args.warmup))
@@ -158,7 +164,7 @@ def render(rows, names, info, args) -> str:
     lines += ["", "Crossovers that keep every measured shape of a recipe at >= 1.0x bf16 (the "
               "measured shapes only), as rows of fp8ops.nn.fallback.MEASURED:", ""]
     kinds = recipes()
-    for recipe in names:
+    for recipe in (n for n in names if " " not in n):  # read from the FP8-everywhere columns
         rule = crossover([(shape, ratio(row, recipe)) for shape, row in rows])
         key = (info["device"], type(kinds[recipe]).__name__)
         lines.append(f"    {key!r}: {rule},")

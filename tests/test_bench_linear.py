@@ -11,10 +11,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["current", "delayed", "mxfp8", "blockwise"]
 
 
-def run_smoke(script, out):
+def run_smoke(script, out, *extra):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--device", "cpu",
-                           "--smoke", "--out", str(out)],
+                           "--smoke", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -41,6 +41,18 @@ def test_bench_linear_smoke(tmp_path):
     assert len(geomean) == 1 and all(_is_number(c) for c in geomean[0][4:]), table
     for kind in ("CurrentScaling", "DelayedScaling", "MXFP8Scaling", "BlockwiseScaling"):
         assert f"'{kind}'): Crossover(min_tokens=" in table, kind  # a row per recipe
+
+
+def test_bench_linear_with_the_fallback_applied(tmp_path):
+    """--with-auto adds a column per recipe with fallback="auto" (what a user gets); the
+    crossover rows still come from the FP8-everywhere columns only."""
+    run_smoke("bench_linear.py", tmp_path, "--recipes", "current,delayed", "--with-auto")
+    table = (tmp_path / "linear.md").read_text()
+    head = "| current speed-up | delayed speed-up | current auto speed-up | delayed auto speed-up |"
+    assert head in table, table
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    assert all(_is_number(c) for r in rows if r[0].strip().isdigit() for c in r[3:]), table
+    assert table.count("Crossover(min_tokens=") == 2, table
 
 
 def test_crossover_runs_fp8_only_where_it_was_measured_faster():
