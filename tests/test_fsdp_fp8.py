@@ -98,6 +98,17 @@ def conv1d_model(recipe, fp8_all_gather):
     return fp8ops.convert_to_fp8(model, recipe, fp8_all_gather=fp8_all_gather)
 
 
+def mixed_model(fp8_all_gather):
+    """Current scaling with two margins and delayed scaling in one model."""
+    model = make_model(fp8ops.CurrentScaling(margin=1.5), fp8_all_gather)
+    for name, recipe in (("2", RECIPES["current"]), ("4", RECIPES["delayed"])):
+        fp8ops.convert_to_fp8(model, recipe, lambda m, fqn, name=name: fqn == name,
+                              fp8_all_gather=fp8_all_gather)
+    assert [type(model[i].recipe).__name__ for i in (0, 2, 4)] == [
+        "CurrentScaling", "CurrentScaling", "DelayedScaling"] and model[0].recipe.margin == 1.5
+    return model
+
+
 def gathered_kinds(model):
     return [type(model[i].weight._local_tensor).__name__ for i in (0, 2, 4)]
 
@@ -135,6 +146,9 @@ def _rank_data_worker(rank, out_dir):
             F.mse_loss(model(x), y).backward()
         res["bytes", fp8] = count.bytes["all_gather"]
         res["all_reduces", fp8] = count.calls["all_reduce"]
+    for fp8 in (True, False):  # recipes whose scales differ: the batched scale math splits
+        model = shard(mixed_model(fp8))
+        res["mixed", fp8] = {"losses": train(model, rank), "state": full_state(model)}
     for name in ("current", "delayed"):  # FP8Conv1D: the parameter is the [in, out] transpose
         for fp8 in (True, False):
             model = shard(conv1d_model(RECIPES[name], fp8))
@@ -244,6 +258,11 @@ def test_fp8_all_gather_equals_high_precision_gather(rank_data, name):
         _assert_same(res[name, True], res[name, False], (rank, name))
     a, b = rank_data  # the ranks saw different data (else this test proves little)
     assert a[name, True]["losses"] != b[name, True]["losses"]
+
+
+def test_fp8_all_gather_of_layers_with_different_recipes(rank_data):
+    for rank, res in enumerate(rank_data):
+        _assert_same(res["mixed", True], res["mixed", False], rank)
 
 
 @pytest.mark.parametrize("name", ["current", "delayed"])

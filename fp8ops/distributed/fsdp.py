@@ -296,7 +296,7 @@ def _window_scale(layer, values: torch.Tensor):
     if role is not None and role.started and not live:
         scale = role.scale.clone()  # no amax needed: no collective
     else:
-        amax, finite = _global_amax(layer, key, values.dtype, values.device)
+        amax, finite, own_scale = _global_amax(layer, key, values.dtype, values.device)
         if role is not None and live:
             if state.needs_reduce("weight"):  # a local record (a recast) must count first
                 state.reduce_records()
@@ -304,8 +304,7 @@ def _window_scale(layer, values: torch.Tensor):
         if role is not None and role.started:
             scale = role.scale.clone()
         else:  # current scaling, or a delayed-scaling warm start: the weight's own amax
-            scale = current_scale(torch.where(finite, amax, float("nan")), fwd, recipe.margin,
-                                  recipe.power_of_two)
+            scale = own_scale if own_scale is not None else _own_scale(recipe, amax, finite)
         if role is not None and live:
             role.record_reduced(amax, finite)
             role.started = True
@@ -342,23 +341,34 @@ def _group(state):
 
 
 def _global_amax(layer, key: tuple, dtype: torch.dtype, device: torch.device):
-    """(amax, finite) of the whole weight (the MAX over the shards; finite: on every rank), in
-    `dtype` (the dtype the cast reads: amax commutes with rounding to nearest). The first layer
-    of a step that needs one all-reduces those of every per-tensor layer of its mesh whose weight
-    changed, in one collective: those stepped by the same optimizer step as this one (a
+    """(amax, finite, scale) of the whole weight: the MAX over the shards, in `dtype` (the dtype
+    the cast reads: amax commutes with rounding to nearest); finite on every rank; current
+    scaling's scale from that amax when it was made with the others' (else None). The first
+    layer of a step that needs one all-reduces those of every per-tensor layer of its mesh whose
+    weight changed, in one collective: those stepped by the same optimizer step as this one (a
     model's layers; never a model no longer trained, which one rank may have collected and
     another not yet). Before its first optimizer step a layer all-reduces its own."""
     state = layer.fp8_state
     if state._gathered_amax is None or state._gathered_amax[0] != key:
-        _reduce_changed(layer, device)
-    _, amax, finite = state._gathered_amax
-    return amax.to(device=device, dtype=dtype).float(), finite.to(device)
+        _reduce_changed(layer, device, dtype)
+    _, amax, finite, made = state._gathered_amax
+    if made is not None and made[0] == (dtype, device):
+        return made[1], finite, made[2]
+    return amax.to(device=device, dtype=dtype).float(), finite.to(device), None
+
+
+def _own_scale(recipe, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """Current scaling's scale of the weight (elementwise: amax may hold many layers')."""
+    return current_scale(torch.where(finite, amax, float("nan")), recipe_formats(recipe)[0],
+                         recipe.margin, recipe.power_of_two)
 
 
 @torch.no_grad()
-def _reduce_changed(layer, device: torch.device) -> None:
+def _reduce_changed(layer, device: torch.device, dtype: torch.dtype) -> None:
     """device: where the gather runs (with FSDP2's CPUOffloadPolicy the shards are on the host;
-    the collective runs on the device)."""
+    the collective runs on the device); dtype: the one the calling layer's cast reads. The
+    rounding to dtype and the scales are made for all the layers at once (a handful of ops per
+    step, not per layer); a layer whose cast reads another dtype makes its own."""
     group = _group(layer.fp8_state)
     serial = getattr(layer.fp8_state._generation, "step_serial", None)
     layers, keys = [], []
@@ -378,8 +388,16 @@ def _reduce_changed(layer, device: torch.device) -> None:
     local = torch.stack([_ops.amax(other.fp8_state.source()._local_tensor._data).to(device)
                          for other in layers])
     amax, finite = _all_reduce_amax(local, group)
+    rounded = amax.to(dtype).float()
+    # scales only for the layers that take their own amax's (a started delayed-scaling role
+    # takes its history's), and in one go only when they are one function of the amax
+    kinds = {(o.recipe.fwd_fmt, o.recipe.margin, o.recipe.power_of_two) for o in layers}
+    wanted = any(not (o.fp8_state.delayed and o.fp8_state.weight.started) for o in layers)
+    scales = _own_scale(layers[0].recipe, rounded, finite) if wanted and len(kinds) == 1 \
+        else None
     for i, (other, key) in enumerate(zip(layers, keys)):
-        other.fp8_state._gathered_amax = (key, amax[i], finite[i])
+        other.fp8_state._gathered_amax = (key, amax[i], finite[i], (
+            (dtype, device), rounded[i], None if scales is None else scales[i]))
 
 
 __all__ = ["FP8WeightShard", "FP8GatheredWeight", "gathers_fp8", "install", "plain_local"]
