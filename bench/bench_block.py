@@ -132,9 +132,11 @@ def main(argv=None) -> dict:
             print(f"built {mode} {name}: {results.get((mode, name), 'ok')}", flush=True)
     results.update(interleaved(steps, dev, args.rounds, args.iters, args.warmup))
     for key, block in blocks.items():  # a time over inf or NaN weights is no result
-        if isinstance(results[key], float) and not all(p.isfinite().all()
-                                                       for p in block.parameters()):
-            results[key] = f"{results[key]:.3f} ms, but the weights were not finite after it"
+        bad = [n for n, p in block.named_parameters() if not p.isfinite().all()]
+        if isinstance(results[key], float) and bad:  # (which ones: a lead to the cause)
+            results[key] = (f"{results[key]:.3f} ms, but the weights were not finite after it "
+                            f"({len(bad)} of {len(list(block.parameters()))}: "
+                            f"{', '.join(bad[:3])})")
 
     table = render(results, modes, names, dims, device_info(dev), args)
     write_table(out_dir, "block.md", table)

@@ -3,6 +3,7 @@ measured side by side in one run.
 
     python bench/bench_fsdp_step.py --backend nccl --world 8      # one process per GPU
     python bench/bench_fsdp_step.py --world 2 --models tiny       # CPU, gloo: a smoke run only
+    python bench/bench_fsdp_step.py --backend nccl --world 1 --profile 20  # where the time goes
 
 The models and their sharding are bench/bench_comm.py's (fully_shard per block and at the root,
 MixedPrecisionPolicy(param_dtype=bf16)). Every setup is built once; then, for each of --rounds
@@ -36,8 +37,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_setups(model_name, setups, device, world, seq_len, steps, rounds) -> dict:
-    """{setup: [mean step seconds of each round]} on this rank."""
+def time_setups(model_name, setups, device, world, seq_len, steps, rounds, profile=0):
+    """({setup: [mean step seconds of each round]}, {setup: profile table}) on this rank; the
+    tables (profile > 0: that many rows of one profiled step per setup, after the timing) say
+    where an FP8-gather step spends the time its ratio shows."""
     built = {}
     for setup in setups:
         model, loss_fn, _ = bench_comm.build(model_name, setup, device, world, seq_len,
@@ -64,14 +67,33 @@ def time_setups(model_name, setups, device, world, seq_len, steps, rounds) -> di
                 step(setup)
             _sync(device)
             times[setup].append((time.perf_counter() - t0) / steps)
-    return times
+    tables = {s: profile_step(lambda s=s: step(s), device, profile) for s in setups} \
+        if profile else {}
+    return times, tables
+
+
+def profile_step(step, device, rows: int) -> str:
+    """torch.profiler's table of one step: operators by self time on the device (CUDA) or the
+    host, with the number of calls and of kernels launched."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    head = f"host operators: {sum(e.count for e in events if e.device_type.name == 'CPU')}"
+    head += f", device kernels: {kernels}" if device.type == "cuda" else ""
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return head + "\n" + events.table(sort_by=key, row_limit=rows)
 
 
 def _entry(rank, world, backend, args, out_dir):
     device = bench_comm.init_rank(rank, world, backend, out_dir, args.threads)
     setups = bench_comm.setups(args.recipes.split(","), ("bf16", "fp8"))
-    results = {m: time_setups(m, setups, device, world, args.seq_len, args.steps, args.rounds)
-               for m in args.models.split(",")}
+    results = {m: time_setups(m, setups, device, world, args.seq_len, args.steps, args.rounds,
+                              args.profile) for m in args.models.split(",")}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "rank0.pt"))
     bench_comm.leave_rank()
@@ -101,12 +123,18 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens of the Llama block's batch")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="also print a profiler table of one step per setup (this many rows)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_entry, args=(args.world, args.backend, args, out_dir), nprocs=args.world,
                  join=True)
-        results = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+        both = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    results = {m: times for m, (times, _) in both.items()}
     print(table(results))
+    for model, (_, tables) in both.items():
+        for setup, text in tables.items():
+            print(f"\n## profile: {model} {setup} (rank 0, one step)\n{text}")
     return results
 
 

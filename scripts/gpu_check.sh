@@ -62,7 +62,8 @@ if want bench; then
   rc=$?; tail -6 "$OUT/bench_backward_gemm.log"; record $rc bench_backward_gemm
 
   section "bench/bench_linear.py"
-  timeout 600 python3 bench/bench_linear.py --recipes current,delayed,mxfp8,blockwise > "$OUT/bench_linear.log" 2>&1
+  timeout 600 python3 bench/bench_linear.py --recipes current,delayed,mxfp8,blockwise --with-auto \
+    > "$OUT/bench_linear.log" 2>&1
   rc=$?; tail -16 "$OUT/bench_linear.log"; record $rc bench_linear
 
   section "bench/bench_block.py (Llama-3-8B block, seq 8192: every recipe vs bf16, eager and CUDA-graphed)"
@@ -76,8 +77,8 @@ if want bench; then
 
   section "bench/bench_fsdp_step.py (NCCL, one process: FP8 vs high-precision all-gather)"
   timeout 600 python3 bench/bench_fsdp_step.py --backend nccl --world 1 --models gpt,llama8b_block \
-    --seq-len 2048 > "$OUT/bench_fsdp_step.log" 2>&1
-  rc=$?; tail -12 "$OUT/bench_fsdp_step.log"; record $rc bench_fsdp_step
+    --seq-len 2048 --profile 15 > "$OUT/bench_fsdp_step.log" 2>&1
+  rc=$?; sed -n '/^| model |/,/^$/p' "$OUT/bench_fsdp_step.log"; record $rc bench_fsdp_step
 
   section "bench/bench_cast.py"
   timeout 900 python3 bench/bench_cast.py --iters 20 > "$OUT/bench_cast.log" 2>&1

@@ -18,3 +18,11 @@ def test_bench_fsdp_step_tiny(capsys):
     assert all(len(t) == 2 and min(t) > 0 for t in times.values())
     out = capsys.readouterr().out
     assert "| tiny | current:fp8 |" in out and "| tiny | bf16 |" in out
+
+
+def test_bench_fsdp_step_profiles_one_step_per_setup(capsys):
+    bench_fsdp_step.main(["--world", "1", "--models", "tiny", "--recipes", "current",
+                          "--steps", "1", "--rounds", "1", "--profile", "5"])
+    out = capsys.readouterr().out
+    assert out.count("## profile: tiny ") == 3 and "## profile: tiny current:fp8" in out
+    assert "host operators: " in out and "Self CPU" in out
