@@ -9,6 +9,7 @@ measurable without a GPU. Two kinds of step, on a bf16 layer:
               them too, and a main_grad or the GEMM itself can take them)
 
     python bench/op_count.py            # the table; tests/test_op_budget.py holds the budget
+    python bench/op_count.py --fsdp     # one FSDP2 step (one gloo process): FP8 vs bf16 gather
 
 Counted with a TorchDispatchMode: each call reaching the dispatcher once (an fp8ops op is one
 call, whatever its kernel does inside). "launches" leaves out the calls that only make views or
@@ -30,7 +31,7 @@ import fp8ops  # noqa: E402
 from fp8ops.ops import emulation  # noqa: E402
 
 _aten = torch.ops.aten
-NO_KERNEL = {_aten.view.default, _aten._unsafe_view.default, _aten.t.default,
+NO_KERNEL = {_aten.view.default, _aten.view.dtype, _aten._unsafe_view.default, _aten.t.default,
              _aten.transpose.int, _aten.alias.default, _aten.slice.Tensor,
              _aten.as_strided.default, _aten.detach.default, _aten.expand.default,
              _aten.unsqueeze.default, _aten.squeeze.dim, _aten.select.int,
@@ -123,7 +124,61 @@ def table(step: str = "accumulate", k: int = 256, n: int = 384) -> dict:
     return out
 
 
+FSDP_SETUPS = ("bf16", "current:bf16", "current:fp8", "delayed:bf16", "delayed:fp8",
+               "blockwise:bf16", "blockwise:fp8")
+
+
+def fsdp_table(model_name: str = "tiny", warmup: int = 2) -> dict:
+    """Kernel-launching calls of one FSDP2 training step (forward, backward, AdamW step) of
+    bench/bench_comm.py's model and sharding, per setup ("<recipe>:fp8": FP8 weight all-gather,
+    ":bf16" the high-precision one), in this process's process group, with the number of FP8
+    layers. What the FP8 gather adds per layer is the difference of the two."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_comm
+    import torch.distributed as dist
+    out = {}
+    for setup in FSDP_SETUPS:
+        model, loss_fn, converted = bench_comm.build(model_name, setup, torch.device("cpu"),
+                                                     dist.get_world_size(), 16,
+                                                     fresh_batches=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            loss_fn().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with _device_path():
+            for _ in range(warmup):
+                step()
+            with _Counter(large=1 << 62) as counter:
+                step()
+        calls = counter.calls
+        out[setup] = {"launches": sum(c for f, c in calls.items() if f not in NO_KERNEL),
+                      "layers": len(converted), "by_op": {str(f): c for f, c in calls.items()}}
+    return out
+
+
+def _fsdp_main() -> None:
+    import tempfile
+    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
+                                rank=0, world_size=1)
+        rows = fsdp_table()
+        dist.destroy_process_group()
+    print("| setup | launches | FP8 gather's extra launches per FP8Linear |\n|---|---|---|")
+    for setup, r in rows.items():
+        recipe, _, gather = setup.partition(":")
+        extra = ("-" if gather != "fp8" else
+                 f"{(r['launches'] - rows[recipe + ':bf16']['launches']) / r['layers']:.2f}")
+        print(f"| {setup} | {r['launches']} | {extra} |")
+    sys.stdout.flush()
+    os._exit(0)  # FSDP2's process group outlives destroy_process_group (bench_comm.leave_rank)
+
+
 def main() -> None:
+    if "--fsdp" in sys.argv[1:]:
+        _fsdp_main()
     for step in STEPS:
         rows = table(step)
         print(f"\n## {step} micro-batch\n")
