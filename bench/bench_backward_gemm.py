@@ -3,10 +3,11 @@
 For a layer x [M, K] @ W[N, K]^T the backward multiplies E5M2 gradients by E4M3 operands:
   dgrad  dX [M, K] = dY [M, N] @ (W^T [K, N])^T        out bf16
   wgrad  dW [N, K] = dY^T [N, M] @ (X^T [K, M])^T      out bf16 (the parameter's dtype)
-Candidates: fp8ops' CUTLASS GEMM with promoted accumulation (what FP8Linear runs today) and with
-fast accumulation, torch._scaled_mm (cuBLASLt) without and with fast accumulation, and bf16
-torch.mm as the reference. Each row: TFLOP/s of every candidate and the speed-up against the
-promoted fp8ops GEMM, timed in one run (bench/_timing.py: L2 flushed, median of CUDA-event-timed
+Candidates: fp8ops' CUTLASS GEMM with promoted accumulation (FP8OPS_SM90_PROMOTED_GEMM=cutlass)
+and with fast accumulation, torch._scaled_mm (cuBLASLt) without fast accumulation (what
+fp8ops.gemm(fast_accum=False), so FP8Linear, runs on Hopper) and with it, and bf16 torch.mm as
+the reference. Each row: TFLOP/s of every candidate and the speed-up against the CUTLASS
+promoted GEMM, timed in one run (bench/_timing.py: L2 flushed, median of CUDA-event-timed
 runs), fresh random inputs per shape. A GEMM that raises is recorded with its error.
 
     python bench/bench_backward_gemm.py [--iters N] [--quick]
@@ -31,7 +32,7 @@ from _timing import device_info, error_text, require_gpu, time_cuda, write_table
 from bench_linear import SHAPES  # noqa: E402  (the layer shapes bench_linear times)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-CANDIDATES = ("fp8ops promoted", "fp8ops fast", "_scaled_mm", "_scaled_mm fast", "bf16 mm")
+CANDIDATES = ("CUTLASS promoted", "fp8ops fast", "_scaled_mm", "_scaled_mm fast", "bf16 mm")
 
 
 def _cast(rows, cols, dtype, gen):
@@ -42,11 +43,22 @@ def _cast(rows, cols, dtype, gen):
     return (x * scale).clamp(-top, top).to(dtype), (1.0 / scale).float().reshape(())
 
 
+def _cutlass_promoted(fn):
+    """fn with promoted GEMMs kept on the CUTLASS kernel (fp8ops routes them to cuBLASLt)."""
+    def run():
+        os.environ["FP8OPS_SM90_PROMOTED_GEMM"] = "cutlass"
+        try:
+            return fn()
+        finally:
+            del os.environ["FP8OPS_SM90_PROMOTED_GEMM"]
+    return run
+
+
 def gemms(a, sa, b, sb, a16, b16):
     """out = a @ b^T, a [rows, inner] E5M2, b [cols, inner] E4M3, by every candidate."""
     return {
-        "fp8ops promoted": lambda: torch.ops.fp8ops.gemm(a, b, sa, sb, None, torch.bfloat16,
-                                                         False),
+        "CUTLASS promoted": _cutlass_promoted(lambda: torch.ops.fp8ops.gemm(
+            a, b, sa, sb, None, torch.bfloat16, False)),
         "fp8ops fast": lambda: torch.ops.fp8ops.gemm(a, b, sa, sb, None, torch.bfloat16, True),
         "_scaled_mm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
                                                out_dtype=torch.bfloat16, use_fast_accum=False),
@@ -63,7 +75,7 @@ def bench(rows, cols, inner, iters, warmup, gen):
     a16 = torch.randn(rows, inner, device="cuda", dtype=torch.bfloat16, generator=gen)
     b16 = torch.randn(cols, inner, device="cuda", dtype=torch.bfloat16, generator=gen)
     fns = gemms(a, sa, b, sb, a16, b16)
-    ref = fns["fp8ops promoted"]().float()  # every FP8 candidate computes the same product
+    ref = fns["CUTLASS promoted"]().float()  # every FP8 candidate computes the same product
     out = {}
     flops = 2.0 * rows * cols * inner
     for name, fn in fns.items():
@@ -72,7 +84,7 @@ def bench(rows, cols, inner, iters, warmup, gen):
                 got = fn().float()
                 rel = ((got - ref).norm() / ref.norm()).item()
                 if not rel < 1e-2:
-                    raise RuntimeError(f"disagrees with the promoted fp8ops GEMM (rel {rel:.3g})")
+                    raise RuntimeError(f"disagrees with the CUTLASS promoted GEMM (rel {rel:.3g})")
             out[name] = flops / (time_cuda(fn, iters, warmup) * 1e-3) / 1e12
         except Exception as exc:  # noqa: BLE001 - recorded in the table instead
             out[name] = error_text(exc)
@@ -105,12 +117,12 @@ def cell(v) -> str:
 
 
 def speedup(res, name):
-    base, t = res.get("fp8ops promoted"), res.get(name)
+    base, t = res.get("CUTLASS promoted"), res.get(name)
     return t / base if isinstance(base, float) and isinstance(t, float) else None
 
 
 def render(rows, info, args) -> str:
-    lines = ["# FP8Linear's backward GEMMs: TFLOP/s, and speed-up against the promoted fp8ops "
+    lines = ["# FP8Linear's backward GEMMs: TFLOP/s, and speed-up against the CUTLASS promoted "
              "GEMM", "", ", ".join(f"{k}: {v}" for k, v in info.items()), "",
              f"median of {args.iters} CUDA-event-timed runs, L2 flushed before each; E5M2 x "
              "E4M3 -> bf16", "",

@@ -158,8 +158,11 @@ def main():
         f.write("# FP8 GEMM throughput (TFLOP/s)\n\n")
         f.write(", ".join(f"{k}: {v}" for k, v in info.items()) + "\n\n")
         f.write("Forward shapes out[M,N] = x[M,K] @ W[N,K]^T, E4M3 x E4M3 -> bf16 (bf16 mm: bf16 "
-                "inputs). fp8ops and _scaled_mm use fast accumulation; 'promoted' promotes to FP32 "
-                "every 128 of K; blockwise: 1x128 x 128x128 scales. L2 flushed, median of "
+                "inputs). fp8ops and _scaled_mm use fast accumulation; 'promoted' is "
+                "fp8ops.gemm(fast_accum=False): cuBLASLt without fast accumulation on Hopper "
+                "(tables before that change measured the CUTLASS mainloop promoting to FP32 "
+                "every 128 of K); "
+                "blockwise: 1x128 x 128x128 scales. L2 flushed, median of "
                 f"{args.iters} CUDA-event-timed runs.\n\n")
         f.write("| shape | M | N | K | " + " | ".join(cols) + " | fp8ops/_scaled_mm |\n")
         f.write("|---|---:|---:|---:|" + "---:|" * (len(cols) + 1) + "\n")

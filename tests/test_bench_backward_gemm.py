@@ -10,10 +10,10 @@ import bench_backward_gemm as bb  # noqa: E402
 
 
 def test_table_ratios_errors_and_geomean():
-    rows = [((256, 128, 64), "dgrad", {"fp8ops promoted": 100.0, "fp8ops fast": 125.0,
+    rows = [((256, 128, 64), "dgrad", {"CUTLASS promoted": 100.0, "fp8ops fast": 125.0,
                                         "_scaled_mm": 80.0, "_scaled_mm fast": 150.0,
                                         "bf16 mm": 50.0}),
-            ((256, 128, 64), "wgrad", {"fp8ops promoted": 200.0, "fp8ops fast": 200.0,
+            ((256, 128, 64), "wgrad", {"CUTLASS promoted": 200.0, "fp8ops fast": 200.0,
                                         "_scaled_mm": "RuntimeError: no kernel",
                                         "_scaled_mm fast": 400.0, "bf16 mm": 100.0})]
     table = bb.render(rows, {"device": "test"}, argparse.Namespace(iters=3))

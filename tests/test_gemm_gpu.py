@@ -157,6 +157,39 @@ def test_gemm_matches_scaled_mm(pair, out_dtype, fast_accum, m):
            "vs torch._scaled_mm")
 
 
+def _kernels(fn):
+    """Names of the CUDA kernels fn launches."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@pytest.mark.parametrize("pair", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (300, 1001, 520)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_promoted_gemm_is_cublaslt_unless_cutlass_is_asked_for(pair, shape, monkeypatch):
+    """Promoted accumulation (FP8Linear's dgrad and wgrad) runs cuBLASLt without fast
+    accumulation; FP8OPS_SM90_PROMOTED_GEMM=cutlass keeps the CUTLASS kernel. Both within the
+    promoted tolerance of float64; a bad value is refused."""
+    m, n, k = shape
+    qa, sa, qb, sb = _operands(m, n, k, pair[0], pair[1], _seed("promoted", pair, shape))
+    ref64, mag = _ref64(qa, sa, qb, sb, None)
+
+    def promoted():
+        _poison()
+        return torch.ops.fp8ops.gemm(qa, qb, sa, sb, None, torch.bfloat16, False)
+    _check(promoted(), ref64, mag, torch.bfloat16, ACC_TOL[False], "cuBLASLt promoted")
+    assert not any("GemmUniversal" in name for name in _kernels(promoted))  # (CUTLASS 3)
+    monkeypatch.setenv("FP8OPS_SM90_PROMOTED_GEMM", "cutlass")
+    _check(promoted(), ref64, mag, torch.bfloat16, ACC_TOL[False], "CUTLASS promoted")
+    assert any("GemmUniversal" in name for name in _kernels(promoted))
+    monkeypatch.setenv("FP8OPS_SM90_PROMOTED_GEMM", "fastest")
+    with pytest.raises(RuntimeError, match="FP8OPS_SM90_PROMOTED_GEMM must be"):
+        promoted()
+
+
 def test_gemm_strided_and_offset_inputs():
     """Views whose rows are not 16-byte aligned or not K-major are copied, never misread."""
     m, n, k = 64, 96, 160
