@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh                 # build, test, bench (about 10 minutes)
 #   bash scripts/gpu_check.sh build test      # or any of the sections
+#   bash scripts/gpu_check.sh demo            # the training demo at --size gpu (not in the default)
 #
 # Needs: a CUDA build of torch, nvcc, pytest (pytest-xdist optional), compute-sanitizer, and the
 # CUTLASS headers (`pip install --no-deps nvidia-cutlass`, or CUTLASS_PATH). fp8ops is built
@@ -96,6 +97,13 @@ if want bench; then
       done
     fi
   fi
+fi
+
+if want demo; then
+  section "examples/train_gpt.py --size gpu (every recipe vs bf16: loss, tokens/s, peak memory)"
+  timeout 900 python3 examples/train_gpt.py --size gpu --steps ${DEMO_STEPS:-600} --no-progress \
+    --out-dir "$OUT/demo" > "$OUT/demo.log" 2>&1
+  rc=$?; tail -20 "$OUT/demo.log"; record $rc demo
 fi
 
 section "summary"
