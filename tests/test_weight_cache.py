@@ -5,6 +5,7 @@ Every way a user can change a weight must reach the next forward: torch.optim, a
 A forward whose cast is fresh gives the same bytes as a forward through a copy of the layer's
 state with no cached cast at all: that is the check used throughout.
 """
+import contextlib
 import copy
 import threading
 
@@ -240,8 +241,8 @@ def test_cuda_graph_capture_never_reuses_a_cast_from_the_host(monkeypatch):
 
 
 class _FakeStream:
-    def __init__(self, name):
-        self.name, self.waited = name, []
+    def __init__(self, name, capturing=False):
+        self.name, self.waited, self.capturing = name, [], capturing
 
     def wait_stream(self, other):
         self.waited.append(other.name)
@@ -250,13 +251,25 @@ class _FakeStream:
 def test_follow_stream_orders_a_state_after_its_last_stream(monkeypatch):
     """The host-side logic of ScalingState.follow_stream (the GPU test runs it for real): a
     state used on a new stream makes that stream wait for the last one, and marks the cached
-    cast's tensors as used by it; the same stream again waits for nothing."""
+    cast's tensors as used by it; the same stream again waits for nothing. A stream capturing a
+    CUDA graph waits only for a stream in the same capture (a wait on one outside it is an
+    error; torch.cuda.graph synchronized the device before capturing)."""
     layer = fp8ops.FP8Linear(32, 16)
     layer(torch.randn(4, 32)).sum().backward()
     state = layer.fp8_state
     current = {"s": _FakeStream("a")}
     recorded = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current["s"].capturing)
+
+    @contextlib.contextmanager
+    def on(stream):
+        saved, current["s"] = current["s"], stream
+        try:
+            yield
+        finally:
+            current["s"] = saved
+    monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda t, s: recorded.append((t.data_ptr(), s.name)))
     cuda = torch.device("cuda")
@@ -271,3 +284,9 @@ def test_follow_stream_orders_a_state_after_its_last_stream(monkeypatch):
     assert sorted(recorded) == sorted((t.data_ptr(), "b") for t in payload)
     state.follow_stream(torch.device("cpu"))  # no streams on the CPU
     assert current["s"].waited == ["a"]
+    current["s"] = _FakeStream("capture", capturing=True)  # b is not part of the capture
+    state.follow_stream(cuda)
+    assert current["s"].waited == []
+    current["s"] = _FakeStream("capture side", capturing=True)  # forked inside the capture
+    state.follow_stream(cuda)
+    assert current["s"].waited == ["capture"]
