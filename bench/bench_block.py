@@ -16,6 +16,7 @@ rounds and the speed-up bf16 time / FP8 time against bf16 in the same mode. Rand
 target, the same for every variant.
 
     python bench/bench_block.py [--batch 2] [--rounds R] [--iters N] [--modes eager,graph]
+    python bench/bench_block.py --modes graph --recipes current --sdpa flash  # one attention
     python bench/bench_block.py --device cpu --smoke     # runs end to end; not a measurement
 
 Writes bench/results/block.md (a smoke run only to --out) and prints it.
@@ -23,6 +24,7 @@ Writes bench/results/block.md (a smoke run only to --out) and prints it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -48,7 +50,19 @@ def recipe(name):
             "mxfp8": fp8ops.MXFP8Scaling, "blockwise": fp8ops.BlockwiseScaling}[name]()
 
 
-def build_step(base, name, mode, x, target, warmup=3):
+SDPA = {"auto": None, "math": "MATH", "flash": "FLASH_ATTENTION",
+        "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def _attention(sdpa: str):
+    """The context that pins scaled_dot_product_attention to one backend ("auto": torch's)."""
+    if SDPA[sdpa] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(getattr(SDPBackend, SDPA[sdpa]))
+
+
+def build_step(base, name, mode, x, target, warmup=3, sdpa="auto"):
     """(step function, block) of one variant, on its own copy of the block, optimizer and
     input."""
     import fp8ops
@@ -61,8 +75,9 @@ def build_step(base, name, mode, x, target, warmup=3):
     def forward_backward():
         # a loss bounded below: small SGD steps keep the weights finite however many steps run
         # (a fixed dy, a loss linear in y, drives them to infinity through the block)
-        y = block(x)
-        y.backward(y.detach() - target)
+        with _attention(sdpa):
+            y = block(x)
+            y.backward(y.detach() - target)
 
     if mode == "eager":
         def step():
@@ -104,6 +119,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--modes", default=",".join(MODES), help="eager, graph (CUDA only)")
+    ap.add_argument("--sdpa", choices=sorted(SDPA), default="auto",
+                    help="pin the attention to one backend (default: torch's choice)")
     add_smoke_options(ap, "tiny block (hidden 64, ffn 128, 4 heads, 2 KV heads, seq 32), 1 "
                           "round of 2 steps: checks the script runs, measures nothing")
     args = ap.parse_args(argv)
@@ -126,7 +143,8 @@ def main(argv=None) -> dict:
         for name in names:
             try:
                 steps[mode, name], blocks[mode, name] = build_step(base, name, mode, x,
-                                                                   target, args.warmup)
+                                                                   target, args.warmup,
+                                                                   args.sdpa)
             except Exception as exc:  # noqa: BLE001 - recorded in the table instead
                 results[mode, name] = error_text(exc)
             print(f"built {mode} {name}: {results.get((mode, name), 'ok')}", flush=True)
@@ -150,7 +168,8 @@ def render(results, modes, names, dims, info, args) -> str:
         timing = (f"SMOKE RUN on {args.device}: wall clock, {args.rounds} round of {args.iters} "
                   "steps, tiny block; checks that the script runs, NOT a measurement")
     shape = (f"hidden {dims['d_model']}, ffn {dims['ffn']}, {dims['n_head']} heads, "
-             f"{dims['n_kv_head']} KV heads, batch {args.batch} x seq {args.seq}, bf16 parameters")
+             f"{dims['n_kv_head']} KV heads, batch {args.batch} x seq {args.seq}, bf16 parameters, "
+             f"attention backend: {args.sdpa}")
     lines = ["# Llama-3-8B-shaped block, training step (forward + backward + SGD step): FP8 "
              "recipes vs bf16 (speed-up = bf16 time / FP8 time, same mode)", "",
              ", ".join(f"{k}: {v}" for k, v in info.items()), "", shape, "", timing, "",

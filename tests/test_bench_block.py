@@ -18,3 +18,15 @@ def test_bench_block_smoke(tmp_path):
         ms, speed_up = (c.strip() for c in line.strip("|").split("|")[2:])
         assert _is_number(ms) and _is_number(speed_up), line
     assert "| graph |" not in table  # no CUDA graphs on the CPU
+
+
+def test_bench_block_with_one_attention_backend(tmp_path):
+    """--sdpa pins scaled_dot_product_attention to one backend (the math one runs on the CPU)."""
+    run_smoke("bench_block.py", tmp_path, "--sdpa", "math", "--recipes", "current")
+    table = (tmp_path / "block.md").read_text()
+    assert "attention backend: math" in table, table
+    assert "| eager | current |" in table and "Error" not in table, table
+    # and it reaches the attention: cuDNN's has no CPU kernel, so every variant reports that
+    run_smoke("bench_block.py", tmp_path, "--sdpa", "cudnn", "--recipes", "current")
+    table = (tmp_path / "block.md").read_text()
+    assert table.count("No viable backend for scaled_dot_product_attention") == 2, table
