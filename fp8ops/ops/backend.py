@@ -106,6 +106,7 @@ def backend(device: Optional[torch.device | str | int] = None) -> Backend:
     if not extension_loaded():
         return Backend("emulation", _state["why_not"])
     if cc == (9, 0) and _has_cutlass_gemm():
-        return Backend("cutlass_sm90", "Hopper (sm_90) with the CUTLASS FP8 GEMM built")
+        return Backend("cutlass_sm90", "Hopper (sm_90) with the CUTLASS FP8 GEMM built (promoted "
+                                       "GEMMs, dgrad and wgrad, via torch._scaled_mm)")
     return Backend("scaled_mm", f"compute capability {cc[0]}.{cc[1]}: GEMMs via torch._scaled_mm, "
                                 "casts via fp8ops kernels")
