@@ -160,10 +160,10 @@ def fsdp_table(model_name: str = "tiny", warmup: int = 2) -> dict:
 
 def _fsdp_main() -> None:
     import tempfile
+    import bench_comm
     import torch.distributed as dist
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
-                                rank=0, world_size=1)
+        bench_comm.init_rank(0, 1, "gloo", tmp, threads=torch.get_num_threads())
         rows = fsdp_table()
         dist.destroy_process_group()
     print("| setup | launches | FP8 gather's extra launches per FP8Linear |\n|---|---|---|")

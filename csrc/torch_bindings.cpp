@@ -770,9 +770,10 @@ at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at:
   return out.crop();
 }
 
-// cc 8.9, 10.x+ and Hopper's promoted GEMMs: cuBLASLt through at::_scaled_mm (mat2 must be column-major: b.t() of a
-// row-major b). K and N are padded to 16 as it requires. A bias is added here in float32 so the
-// result is rounded once, like the emulation (_scaled_mm would round before adding it).
+// cc 8.9, 10.x+ and Hopper's promoted GEMMs: cuBLASLt through at::_scaled_mm (mat2 must be
+// column-major: b.t() of a row-major b). K and N are padded to 16 as it requires. A bias is added
+// here in float32 so the result is rounded once, like the emulation (_scaled_mm would round
+// before adding it).
 at::Tensor gemm_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
                           const at::Tensor& sb, const std::optional<at::Tensor>& bias,
                           at::ScalarType out_dtype, bool fast_accum) {
