@@ -18,6 +18,7 @@ bench/bench_quality.py to show no quality change (on a GPU) before FP8Linear use
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -43,22 +44,32 @@ def _cast(rows, cols, dtype, gen):
     return (x * scale).clamp(-top, top).to(dtype), (1.0 / scale).float().reshape(())
 
 
-def _cutlass_promoted(fn):
-    """fn with promoted GEMMs kept on the CUTLASS kernel (fp8ops routes them to cuBLASLt)."""
-    def run():
-        os.environ["FP8OPS_SM90_PROMOTED_GEMM"] = "cutlass"
-        try:
-            return fn()
-        finally:
-            del os.environ["FP8OPS_SM90_PROMOTED_GEMM"]
-    return run
+# what a candidate runs under: fp8ops routes promoted GEMMs to cuBLASLt unless asked otherwise
+ENV = {"CUTLASS promoted": {"FP8OPS_SM90_PROMOTED_GEMM": "cutlass"}}
+
+
+@contextlib.contextmanager
+def candidate_env(name):
+    """ENV[name] set around all of a candidate's calls (outside its timed window), then the
+    environment as it was."""
+    wanted = ENV.get(name, {})
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def gemms(a, sa, b, sb, a16, b16):
     """out = a @ b^T, a [rows, inner] E5M2, b [cols, inner] E4M3, by every candidate."""
     return {
-        "CUTLASS promoted": _cutlass_promoted(lambda: torch.ops.fp8ops.gemm(
-            a, b, sa, sb, None, torch.bfloat16, False)),
+        "CUTLASS promoted": lambda: torch.ops.fp8ops.gemm(a, b, sa, sb, None, torch.bfloat16,
+                                                          False),
         "fp8ops fast": lambda: torch.ops.fp8ops.gemm(a, b, sa, sb, None, torch.bfloat16, True),
         "_scaled_mm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
                                                out_dtype=torch.bfloat16, use_fast_accum=False),
@@ -75,17 +86,20 @@ def bench(rows, cols, inner, iters, warmup, gen):
     a16 = torch.randn(rows, inner, device="cuda", dtype=torch.bfloat16, generator=gen)
     b16 = torch.randn(cols, inner, device="cuda", dtype=torch.bfloat16, generator=gen)
     fns = gemms(a, sa, b, sb, a16, b16)
-    ref = fns["CUTLASS promoted"]().float()  # every FP8 candidate computes the same product
+    with candidate_env("CUTLASS promoted"):  # every FP8 candidate computes the same product
+        ref = fns["CUTLASS promoted"]().float()
     out = {}
     flops = 2.0 * rows * cols * inner
     for name, fn in fns.items():
         try:
-            if name != "bf16 mm":
-                got = fn().float()
-                rel = ((got - ref).norm() / ref.norm()).item()
-                if not rel < 1e-2:
-                    raise RuntimeError(f"disagrees with the CUTLASS promoted GEMM (rel {rel:.3g})")
-            out[name] = flops / (time_cuda(fn, iters, warmup) * 1e-3) / 1e12
+            with candidate_env(name):
+                if name != "bf16 mm":
+                    got = fn().float()
+                    rel = ((got - ref).norm() / ref.norm()).item()
+                    if not rel < 1e-2:
+                        raise RuntimeError("disagrees with the CUTLASS promoted GEMM "
+                                           f"(rel {rel:.3g})")
+                out[name] = flops / (time_cuda(fn, iters, warmup) * 1e-3) / 1e12
         except Exception as exc:  # noqa: BLE001 - recorded in the table instead
             out[name] = error_text(exc)
     return out

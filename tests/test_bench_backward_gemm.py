@@ -24,3 +24,17 @@ def test_table_ratios_errors_and_geomean():
     assert "RuntimeError: no kernel" in wgrad and wgrad.endswith("| 1.00 | - | 2.00 | 0.50 |")
     geo = lines[-1]
     assert "geomean" in geo and geo.endswith("| 1.12 | 0.80 | 1.73 | 0.50 |")
+
+
+def test_candidate_env_is_set_around_the_candidate_and_then_restored(monkeypatch):
+    key = "FP8OPS_SM90_PROMOTED_GEMM"
+    monkeypatch.delenv(key, raising=False)
+    with bb.candidate_env("CUTLASS promoted"):
+        assert os.environ[key] == "cutlass"
+    assert key not in os.environ
+    monkeypatch.setenv(key, "cublaslt")  # a user's own setting outlives the benchmark
+    with bb.candidate_env("CUTLASS promoted"):
+        assert os.environ[key] == "cutlass"
+    assert os.environ[key] == "cublaslt"
+    with bb.candidate_env("_scaled_mm"):  # the others run in the environment as it is
+        assert os.environ[key] == "cublaslt"
