@@ -11,7 +11,8 @@ them, with their tensors): all-gather bytes, reduce-scatter bytes, all-reduce ca
 A first, uncounted step comes before (lazy initialisation, delayed scaling's warm start): the
 counted step is the steady state. Setups per model:
   - bf16: the plain model (nn.Linear), FSDP2 gathers every parameter in bf16: the reference;
-  - <recipe>, fp8_all_gather=False: FP8Linear layers, weights gathered in bf16;
+  - <recipe>, fp8_all_gather=False: FP8Linear layers, weights gathered in bf16 (both FP8 setups
+    compute in FP8 at every shape: fallback="never");
   - <recipe>, fp8_all_gather=True: FP8Linear weights gathered in FP8 where the recipe allows it
     (fp8ops/distributed/fsdp.py: per-tensor recipes always, blockwise when each shard holds whole
     128-row blocks, MXFP8 never).
@@ -117,8 +118,9 @@ def build(model_name, setup, device, world, seq_len, fresh_batches=True):
     converted = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)
                  and (filter_fn is None or filter_fn(m, n))]
     if recipe_name != "bf16":
+        # FP8 at every shape (no measured fallback): the two gathers feed the same FP8 GEMMs
         fp8ops.convert_to_fp8(model, RECIPES[recipe_name](), filter_fn=filter_fn,
-                              fp8_all_gather=gather == "fp8")
+                              fp8_all_gather=gather == "fp8", fallback="never")
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for block in blocks:
         fully_shard(block, mp_policy=mp_policy)

@@ -92,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                    help="comma-separated subset of: " + ", ".join(RECIPES) +
                    " (default: all but current_p99.99)")
+    p.add_argument("--fallback", choices=("never", "auto"), default="never",
+                   help="FP8 layers' fallback: never (default: every FP8 layer trains in FP8) or "
+                        "auto (layers too small to gain from FP8 on this GPU, by its measured "
+                        "crossover, run in high precision)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "out"))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -268,7 +272,8 @@ def run(name, args, train_tokens, val_batches, ranks):
                     n_layer=args.n_layer, n_head=args.n_head)
     model = GPT(cfg).to(device)
     if recipe is not None:
-        fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision)
+        fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision,
+                              fallback=args.fallback)
         if args.monitor_every:
             fp8ops.monitor(model, every=args.monitor_every)
     if ranks.fsdp:
@@ -355,7 +360,7 @@ def table(results, args, device, ranks):
             f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
                f"state of rank 0); " if ranks.fsdp else "") + "fp8ops backend="
-            f"{backend} ({backend.reason}); FP8: blocks' Linears only "
+            f"{backend} ({backend.reason}); FP8: blocks' Linears only, fallback={args.fallback} "
             f"(embeddings and LM head in high precision); final train loss = mean of the last "
             f"{max(1, min(20, args.steps // 10))} steps")
     return head + "\n\n" + "\n".join(rows) + "\n"
