@@ -103,14 +103,15 @@ class FP8Linear(nn.Linear):
             self.fp8_state.reset()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # eval mode uses the scales as trained and records nothing (no amax, no step)
-        self.fp8_state.recording = self.training
         weight = self._out_in_weight()
+        state = self.fp8_state
         if not self._runs_fp8(input, weight):
-            self.fp8_state.high_precision_calls += 1
+            state.high_precision_calls += 1
             bias = None if self.bias is None else self.bias.to(input.dtype)
             return F.linear(input, weight.to(input.dtype), bias)
-        return linear(input, weight, self.bias, state=self.fp8_state)
+        # eval mode uses the scales as trained and records nothing (no amax, no step)
+        state.recording = self.training
+        return linear(input, weight, self.bias, state=state)
 
     def _out_in_weight(self) -> torch.Tensor:
         """The weight in the [out, in] layout the GEMMs read."""
