@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -94,8 +95,10 @@ def interleaved(steps: dict, device: str = "cuda", rounds: int = 10, iters: int 
                 warmup: int = 3) -> dict:
     """Time the step functions side by side: after `warmup` untimed calls each, `rounds` rounds
     in which every step runs `iters` timed calls in turn, so that a drifting clock or a warming
-    device affects every variant alike. Returns {name: median ms over all timed calls}, or
-    {name: error text} for a step that raised (the others go on)."""
+    device affects every variant alike. The first round runs them in the given order, the
+    others in a shuffled one (fixed seed), so no variant always follows the same one: what one
+    leaves behind, in the caches or on the host, is paid by different variants in turn. Returns {name: median ms over all timed
+    calls}, or {name: error text} for a step that raised (the others go on)."""
     out, live = {}, {}
     for name, fn in steps.items():
         try:
@@ -107,8 +110,14 @@ def interleaved(steps: dict, device: str = "cuda", rounds: int = 10, iters: int 
         except Exception as exc:  # noqa: BLE001 - recorded in the table instead
             out[name] = error_text(exc)
     times = {name: [] for name in live}
-    for _ in range(rounds):
-        for name, fn in list(live.items()):
+    order, shuffle = list(live), random.Random(0).shuffle
+    for r in range(rounds):
+        if r:
+            shuffle(order)
+        for name in list(order):
+            fn = live.get(name)
+            if fn is None:  # raised in an earlier round
+                continue
             try:
                 times[name] += [time_step(fn, device) for _ in range(iters)]
             except Exception as exc:  # noqa: BLE001
