@@ -91,6 +91,31 @@ def error_text(exc: BaseException, limit: int = 160) -> str:
     return msg if len(msg) <= limit else msg[:limit - 3] + "..."
 
 
+def captured_step(forward_backward, zero_grad, after, warmup: int = 3):
+    """A training step on a GPU whose forward_backward() is captured once in a CUDA graph and
+    replayed; after() (the optimizer step, in place on the parameters) runs eagerly after each
+    replay, so the next replay reads the new values. zero_grad() clears the gradients."""
+    # warm up on a side stream, as torch.cuda.graphs requires (lazy state, kernels' setup)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            zero_grad()
+            forward_backward()
+    torch.cuda.current_stream().wait_stream(side)
+    # no gradients at capture: the captured backward writes them (not adds) into the graph's
+    # memory, and every replay then overwrites them, as a zero_grad would
+    zero_grad()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward_backward()
+
+    def step():
+        graph.replay()
+        after()
+    return step
+
+
 def interleaved(steps: dict, device: str = "cuda", rounds: int = 10, iters: int = 5,
                 warmup: int = 3) -> dict:
     """Time the step functions side by side: after `warmup` untimed calls each, `rounds` rounds

@@ -37,8 +37,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import (add_smoke_options, device_info, error_text, interleaved,  # noqa: E402
-                     results_dir, write_table)
+from _timing import (add_smoke_options, captured_step, device_info, error_text,  # noqa: E402
+                     interleaved, results_dir, write_table)
 from bench_comm import LlamaBlock  # noqa: E402
 
 RECIPES = ("current", "delayed", "mxfp8", "blockwise")
@@ -83,35 +83,18 @@ def build_step(base, name, mode, x, target, warmup=3, sdpa="auto", fallback="nev
             y = block(x)
             y.backward(y.detach() - target)
 
+    def zero_grad():
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+
     if mode == "eager":
         def step():
-            opt.zero_grad(set_to_none=True)
-            x.grad = None
+            zero_grad()
             forward_backward()
             opt.step()
         return step, block
-
-    # warm up on a side stream, as torch.cuda.graphs requires (lazy state, kernels' setup)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            opt.zero_grad(set_to_none=True)
-            x.grad = None
-            forward_backward()
-    torch.cuda.current_stream().wait_stream(side)
-    # no gradients at capture: the captured backward writes them (not adds) into the graph's
-    # memory, and every replay then overwrites them, as a zero_grad would
-    opt.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward_backward()
-
-    def step():
-        graph.replay()
-        opt.step()  # in place on the parameters: the next replay casts the new weights
-    return step, block
+    # the optimizer step runs eagerly after each replay: the next replay casts the new weights
+    return captured_step(forward_backward, zero_grad, opt.step, warmup), block
 
 
 def main(argv=None) -> dict:

@@ -11,9 +11,11 @@ time, with its geometric mean over the shapes. Random inputs, the same for every
 
     python bench/bench_linear.py [--rounds R] [--iters N] [--recipes current,delayed,...]
     python bench/bench_linear.py --with-auto   # also each recipe with fallback="auto"
+    python bench/bench_linear.py --graph       # forward + backward replayed: no launch work
     python bench/bench_linear.py --device cpu --smoke     # runs end to end; not a measurement
 
-Writes bench/results/linear.md (a smoke run only to --out) and prints it.
+Writes bench/results/linear.md (linear_graph.md with --graph; a smoke run only to --out) and prints
+it.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import (add_smoke_options, device_info, error_text, interleaved,  # noqa: E402
-                     results_dir, write_table)
+from _timing import (add_smoke_options, captured_step, device_info, error_text,  # noqa: E402
+                     interleaved, results_dir, write_table)
 
 SHAPES = [  # (M, K, N): tokens, in_features, out_features
     (16384, 8192, 7168), (16384, 8192, 1280), (16384, 4096, 14336), (8192, 4096, 4096),
@@ -59,16 +61,26 @@ def fp8_copy(base, recipe, fallback="never"):
     return layer
 
 
-def train_step(layer, x, dy):
+def train_step(layer, x, dy, graph=False):
     """One training step of `layer` on its own optimizer (its own copy of x, so no two variants
-    share a gradient)."""
+    share a gradient). graph: forward and backward replayed from a CUDA graph, the optimizer
+    step eager (the host's launch work leaves the forward and backward)."""
     x = x.detach().clone().requires_grad_()
     opt = torch.optim.SGD(layer.parameters(), lr=LR, foreach=True)
 
-    def step():
+    def zero_grad():
         opt.zero_grad(set_to_none=True)
         x.grad = None
+
+    def forward_backward():
         layer(x).backward(dy)
+
+    if graph:
+        return captured_step(forward_backward, zero_grad, opt.step)
+
+    def step():
+        zero_grad()
+        forward_backward()
         opt.step()
     return step
 
@@ -90,8 +102,13 @@ def main(argv=None) -> list:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--with-auto", action="store_true",
                     help='also time each recipe with fallback="auto" (columns "<recipe> auto")')
+    ap.add_argument("--graph", action="store_true",
+                    help="every variant's forward and backward replayed from a CUDA graph (the "
+                         "optimizer step eager): the step without the host's launch work")
     add_smoke_options(ap, "tiny shapes, 1 round of 2 steps: checks that it runs, measures nothing")
     args = ap.parse_args(argv)
+    if args.graph and args.device != "cuda":
+        ap.error("--graph needs a CUDA device (CUDA graphs)")
     if args.smoke:
         args.rounds, args.iters, args.warmup = 1, 2, 1
     out_dir = results_dir(args, os.path.join(HERE, "results"))
@@ -106,12 +123,12 @@ def main(argv=None) -> list:
         base = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-        steps, row = {"bf16": train_step(base, x, dy)}, {}
+        steps, row = {"bf16": train_step(base, x, dy, args.graph)}, {}
         for name in names:
             recipe, _, auto = name.partition(" ")
             try:
                 steps[name] = train_step(fp8_copy(base, recipes()[recipe], auto or "never"),
-                                         x, dy)
+                                         x, dy, args.graph)
             except Exception as exc:  # noqa: BLE001 - recorded in the table instead
                 row[name] = error_text(exc)
         row.update(interleaved(steps, dev, args.rounds, args.iters, args.warmup))
@@ -123,7 +140,7 @@ def main(argv=None) -> list:
             torch.cuda.empty_cache()
 
     table = render(rows, names, info, args)
-    write_table(out_dir, "linear.md", table)
+    write_table(out_dir, "linear_graph.md" if args.graph else "linear.md", table)
     return rows
 
 
@@ -148,6 +165,9 @@ def cell_ms(t):
 def render(rows, names, info, args) -> str:
     timing = (f"median over {args.rounds} interleaved rounds of {args.iters} CUDA-event-timed "
               "steps per variant, L2 flushed before each step")
+    if args.graph:
+        timing += ("; forward and backward replayed from a CUDA graph (bf16 too), the SGD step "
+                   "eager")
     if args.smoke:
         timing = (f"SMOKE RUN on {args.device}: wall clock, {args.rounds} round of {args.iters} "
                   "steps, tiny shapes; checks that the script runs, NOT a measurement")
@@ -161,6 +181,8 @@ def render(rows, names, info, args) -> str:
                      " | ".join(cell_ratio(row, r) for r in names) + " |")
     lines.append("| geomean | | | | " +
                  " | ".join(geomean_cell([ratio(row, r) for _, row in rows]) for r in names) + " |")
+    if args.graph:  # the fallback decides eager calls: its rows come from eager runs
+        return "\n".join(lines) + "\n"
     lines += ["", "Crossovers that keep every measured shape of a recipe at >= 1.0x bf16 (the "
               "measured shapes only), as rows of fp8ops.nn.fallback.MEASURED:", ""]
     kinds = recipes()

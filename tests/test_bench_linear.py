@@ -70,3 +70,24 @@ def test_crossover_runs_fp8_only_where_it_was_measured_faster():
     # nothing faster than bf16: nothing runs FP8
     assert bench_linear.crossover([((64, 64, 64), 0.5)]) == \
         "Crossover(min_tokens=65, min_in_features=65, min_out_features=65)"
+
+
+def test_graph_mode_needs_cuda_and_prints_no_crossover_rows():
+    """--graph replays forward and backward from CUDA graphs: on the CPU it is refused at once;
+    its table says so and leaves out the fallback's rows (they are read from eager runs)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_linear.py"),
+                           "--device", "cpu", "--graph", "--smoke"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode != 0 and "--graph needs a CUDA device" in proc.stderr, proc.stderr
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import argparse
+
+    import bench_linear
+    args = argparse.Namespace(rounds=2, iters=3, smoke=False, graph=True, device="cuda")
+    rows = [((64, 128, 96), {"bf16": 2.0, "current": 1.0})]
+    table = bench_linear.render(rows, ["current"], {"device": "a GPU"}, args)
+    assert "replayed from a CUDA graph" in table and "| 64 | 128 | 96 | 2.000 | 2.00 |" in table
+    assert "Crossover(" not in table
+    args.graph = False
+    assert "Crossover(" in bench_linear.render(rows, ["current"], {"device": "a GPU"}, args)
