@@ -122,8 +122,9 @@ def interleaved(steps: dict, device: str = "cuda", rounds: int = 10, iters: int 
     in which every step runs `iters` timed calls in turn, so that a drifting clock or a warming
     device affects every variant alike. The first round runs them in the given order, the
     others in a shuffled one (fixed seed), so no variant always follows the same one: what one
-    leaves behind, in the caches or on the host, is paid by different variants in turn. Returns {name: median ms over all timed
-    calls}, or {name: error text} for a step that raised (the others go on)."""
+    leaves behind, in the caches or on the host, is paid by different variants in turn.
+    Returns {name: median ms over all timed calls}, or {name: error text} for a step that
+    raised (the others go on)."""
     out, live = {}, {}
     for name, fn in steps.items():
         try:
