@@ -140,12 +140,11 @@ def interleaved(steps: dict, device: str = "cuda", rounds: int = 10, iters: int 
     for r in range(rounds):
         if r:
             shuffle(order)
-        for name in list(order):
-            fn = live.get(name)
-            if fn is None:  # raised in an earlier round
+        for name in order:
+            if name not in live:  # raised in an earlier round
                 continue
             try:
-                times[name] += [time_step(fn, device) for _ in range(iters)]
+                times[name] += [time_step(live[name], device) for _ in range(iters)]
             except Exception as exc:  # noqa: BLE001
                 out[name] = error_text(exc)
                 del live[name]
