@@ -178,3 +178,46 @@ def test_weight_cache_tells_a_transposed_view_from_the_weight(name):
     got = fp8ops.linear(x, w.t(), state=st)  # same storage, version and shape; other strides
     assert torch.equal(got, fp8ops.linear(x, w.t(), state=ref_state))
     assert not torch.equal(got, fp8ops.linear(x, w, state=st))
+
+
+def _autocast_step(recipe, device, autocast: bool, dtype=torch.bfloat16):
+    """One FP8Linear training step on float32 parameters and input, under autocast or not, with
+    the same bf16-valued output gradient. Returns (y, x.grad, weight.grad, bias.grad)."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(96, 80, recipe=recipe, fallback="never", device=device)
+    x = (torch.randn(3, 40, 96, device=device) * 2).requires_grad_()
+    with torch.autocast(device, dtype=dtype, enabled=autocast):
+        y = layer(x)
+    dy = torch.randn(y.shape, device=device).to(dtype)  # what a bf16 graph sends back
+    y.backward(dy if autocast else dy.float())
+    return y, x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_autocast_output_dtype_follows_nn_linear(name):
+    """Under torch.autocast an FP8 layer returns the autocast dtype, as nn.Linear does (a float32
+    output would make every op downstream run, and save its activations, in float32), with the
+    same values as the float32 step rounded once; the gradients keep the parameters' and the
+    input's dtype and are those of the same step without autocast."""
+    ref = torch.nn.Linear(96, 80)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ref(torch.randn(2, 96)).dtype == torch.bfloat16  # what FP8Linear must match
+    recipe = RECIPES[name]
+    y, dx, dw, db = _autocast_step(recipe, "cpu", autocast=True)
+    y32, dx32, dw32, db32 = _autocast_step(recipe, "cpu", autocast=False)
+    assert y.dtype == torch.bfloat16 and y32.dtype == torch.float32
+    assert (dx.dtype, dw.dtype, db.dtype) == (torch.float32,) * 3
+    assert y.isfinite().all() and y.abs().sum() > 0
+    torch.testing.assert_close(y, y32.to(torch.bfloat16), rtol=0, atol=0)
+    for got, want in ((dx, dx32), (dw, dw32), (db, db32)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_without_autocast_the_output_keeps_the_input_dtype():
+    layer = fp8ops.FP8Linear(32, 16, fallback="never")
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert layer(x).dtype == torch.float32
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert layer(x).dtype == torch.float16

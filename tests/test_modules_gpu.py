@@ -249,3 +249,26 @@ def test_compiled_with_cuda_graphs_trains_as_eager(name):
     for step, (e, c) in enumerate(zip(eager, compiled)):
         assert abs(e - c) <= 1e-2 * abs(e), f"{name}: step {step}: eager {e:.6f} vs compiled {c:.6f}"
     assert compiled[-1] < compiled[0]
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_autocast_returns_bf16_with_the_float32_steps_gradients(name):
+    """Under CUDA bf16 autocast the layer returns bf16, as nn.Linear does; the output is the
+    float32 step's rounded to bf16 (to one bf16 ulp: the GEMM may pick another tile for another
+    output dtype) and the gradients are the float32 step's, bit for bit."""
+    def step(autocast):
+        torch.manual_seed(0)
+        layer = fp8ops.FP8Linear(256, 384, recipe=RECIPES[name], fallback="never", device="cuda")
+        x = (torch.randn(4, 64, 256, device="cuda") * 2).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        dy = torch.randn(y.shape, device="cuda").to(torch.bfloat16)
+        y.backward(dy if autocast else dy.float())
+        return y, x.grad, layer.weight.grad, layer.bias.grad
+
+    y, dx, dw, db = step(True)
+    y32, dx32, dw32, db32 = step(False)
+    assert y.dtype == torch.bfloat16 and (dx.dtype, dw.dtype) == (torch.float32,) * 2
+    torch.testing.assert_close(y.float(), y32.to(torch.bfloat16).float(), rtol=2 ** -7, atol=0)
+    for got, want in ((dx, dx32), (dw, dw32), (db, db32)):
+        assert torch.equal(got, want)

@@ -85,6 +85,24 @@ def test_op_runs_emulation_on_cpu(name):
             torch.allclose(g.float(), r.float(), equal_nan=True)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_does_not_reach_the_kernels(name, dtype):
+    """Called under torch.autocast, an op computes what it computes without it: autocast would
+    run the emulation's float32 matmuls (the GEMMs) in bf16 or fp16."""
+    for args in SAMPLES[name]:
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        ref = getattr(torch.ops.fp8ops, name)(*[a.clone() if isinstance(a, torch.Tensor) else a
+                                                for a in args])
+        with torch.autocast("cpu", dtype=dtype):
+            got = getattr(torch.ops.fp8ops, name)(*args)
+        got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+        for g, r in zip(got, ref):
+            assert g.dtype == r.dtype
+            assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
+                               r.view(torch.uint8) if r.element_size() == 1 else r), name
+
+
 def test_ops_are_not_differentiable():
     x = torch.randn(4, 32, requires_grad=True)
     data, data_t, amax = torch.ops.fp8ops.quantize(x, torch.tensor(1.0), E4, True, False, 0, 0)

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from ..formats import get_format
 from ..nn import weight_cache
-from ..nn.autograd import linear_per_tensor
+from ..nn.autograd import linear_per_tensor, output_dtype
 from ..nn.functional import linear
 from ..nn.modules import FP8Conv1D, FP8Linear
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
@@ -305,7 +305,8 @@ class _Gathered(NamedTuple):
         state.follow_stream(x_local.device)
         x2 = x_local.reshape(-1, x_local.shape[-1])
         y = linear_per_tensor(x2, weight, bias, self.recipe, state,
-                              (self.data, self.data_t, self.amax, self.scale))
+                              (self.data, self.data_t, self.amax, self.scale),
+                              output_dtype(x_local))
         return y.reshape(*x_local.shape[:-1], weight.shape[0])
 
 

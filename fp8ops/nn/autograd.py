@@ -73,6 +73,16 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float, warm: bo
     return current_scale(amax, fmt, margin, recipe.power_of_two)
 
 
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would return for input x: autocast's for x's device while autocast is
+    on there, else x's own. (The FP8 casts read x as it comes, so autocast adds no conversion
+    pass; the input gradient still comes back in x's dtype, as through autocast's own cast.)"""
+    device = x.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -182,14 +192,15 @@ class PerTensorLinear(torch.autograd.Function):
     is made before (linear_per_tensor), where the delayed-scaling state may change."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, x_cast, w_data, w_data_t, w_scale_inv, recipe, state):
+    def forward(ctx, x2, weight, bias, x_cast, w_data, w_data_t, w_scale_inv, recipe, state,
+                out_dtype):
         _, bwd = recipe_formats(recipe)
         xq, xq_t, x_scale, x_scale_inv = x_cast
         ctx.sampled = cast_stats.sampling(state)
         if ctx.sampled:
             # (the cast has recorded its amax already: linear_per_tensor)
             cast_stats.observe(state, "input", cast_stats.per_tensor_stats(x2, xq, x_scale))
-        y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype, True)
+        y = _ops.gemm(xq, w_data, x_scale_inv, w_scale_inv, bias, out_dtype, True)
         ctx.save_for_backward(xq_t, w_data_t, x_scale_inv, w_scale_inv, weight, bias)
         ctx.recipe, ctx.bwd, ctx.state, ctx.x_dtype = recipe, bwd, state, x2.dtype
         ctx.grad_warm = state is not None and state.delayed and state.warm["grad"]
@@ -224,7 +235,7 @@ class PerTensorLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _wgrad(weight, lambda dtype: _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv,
                                                         None, dtype, False))
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def is_gathered(weight: torch.Tensor) -> bool:
@@ -247,9 +258,10 @@ def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False
     return state.cached_weight(weight, cast, live, in_recompute())
 
 
-def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x_cast=None):
+def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x_cast=None,
+                      out_dtype=None):
     """x_cast: (data, transposed data, amax, scale), x2 already cast (current scaling only; x2
-    then only carries the gradient)."""
+    then only carries the gradient). out_dtype: the output's (default x2's; output_dtype)."""
     fwd, _ = recipe_formats(recipe)
     delayed = state is not None and state.delayed
     live = _live(state)
@@ -287,7 +299,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
     if live:  # decided here, outside the Function, so that a recompute sees the same choice
         state.warm["grad"] = not state.grad.started
     y = PerTensorLinear.apply(x2, weight, bias, (xq, xq_t, x_scale, x_scale_inv), w_data,
-                              w_data_t, w_scale_inv, recipe, state)
+                              w_data_t, w_scale_inv, recipe, state, out_dtype or x2.dtype)
     if live:
         state.input.started = True
         # the grad role records in backward; its first backward took a warm scale (ctx)
@@ -301,7 +313,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
 # ----------------------------------------------------------------------------------------------
 class MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, w_row, w_col_t, recipe, state):
+    def forward(ctx, x2, weight, bias, w_row, w_col_t, recipe, state, out_dtype):
         fwd, bwd = recipe_formats(recipe)
         bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
         M, K = x2.shape
@@ -314,7 +326,7 @@ class MXLinear(torch.autograd.Function):
             cast_stats.observe(state, "weight", cast_stats.mx_stats(
                 cast_stats.weight_values(state, weight), *w_row, bs, 1))
         bias_p = None if bias is None else _pad(bias, 0, bs)
-        y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, x2.dtype, bs)[:, :N]
+        y = _ops.gemm_mx(x_data, x_scales, w_row[0], w_row[1], bias_p, out_dtype, bs)[:, :N]
         ctx.save_for_backward(xc_data.t(), xc_scales.t(), w_col_t[0], w_col_t[1], weight, bias)
         ctx.meta = (bwd, bs, rceil, M, K, N, x2.dtype)
         return y
@@ -349,10 +361,10 @@ class MXLinear(torch.autograd.Function):
         if need_dw:
             dw = _wgrad(weight, lambda dtype: _ops.gemm_mx(
                 gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, dtype, bs)[:N, :K])
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
-def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
+def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState], out_dtype=None):
     fwd, _ = recipe_formats(recipe)
     bs, rceil = recipe.block_size, recipe.scale_mode == "rceil"
 
@@ -363,7 +375,7 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
         return (row, (col[0].t(), col[1].t())), None
 
     w_row, w_col_t = _cast_weight(weight, state, cast_weight)
-    return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe, state)
+    return MXLinear.apply(x2, weight, bias, w_row, w_col_t, recipe, state, out_dtype or x2.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,7 +383,7 @@ def linear_mx(x2, weight, bias, recipe, state: Optional[ScalingState]):
 # ----------------------------------------------------------------------------------------------
 class BlockwiseLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state):
+    def forward(ctx, x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state, out_dtype):
         fwd, bwd = recipe_formats(recipe)
         p2 = recipe.power_of_two
         # X 1x128 for this GEMM and X^T 1x128 (128 along M) for wgrad, in one call
@@ -385,7 +397,7 @@ class BlockwiseLinear(torch.autograd.Function):
                 w_values = cast_stats.weight_values(state, weight)
                 cast_stats.observe(state, "weight", cast_stats.blockwise_stats(
                     w_values, w_data, w_scale_inv, 128, 128))
-        y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, x2.dtype)
+        y = _ops.gemm_blockwise(x_data, w_data, x_scale_inv, w_scale_inv, bias, out_dtype)
         ctx.save_for_backward(xt_data, xt_scale_inv, w_data_t, w_scale_inv.t(), weight, bias)
         ctx.meta = (bwd, p2, x2.dtype)
         return y
@@ -419,10 +431,10 @@ class BlockwiseLinear(torch.autograd.Function):
         if need_dw:
             dw = _wgrad(weight, lambda dtype: _ops.gemm_blockwise(
                 gt_data, xt_data, gt_scale_inv, xt_scale_inv, None, dtype))
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
-def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
+def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState], out_dtype=None):
     fwd, _ = recipe_formats(recipe)
 
     def cast_weight(w, step, scale):
@@ -430,4 +442,5 @@ def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState]):
         return (data, scale_inv, data.t().contiguous()), None
 
     w_data, w_scale_inv, w_data_t = _cast_weight(weight, state, cast_weight)
-    return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state)
+    return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state,
+                                 out_dtype or x2.dtype)

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .autograd import is_gathered, linear_blockwise, linear_mx, linear_per_tensor
+from .autograd import is_gathered, linear_blockwise, linear_mx, linear_per_tensor, output_dtype
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState, check_recipe)
 
@@ -38,7 +38,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
            recipe=None, state: Optional[ScalingState] = None) -> torch.Tensor:
     """y = input @ weight.T + bias with FP8 GEMMs in forward and backward.
 
-    input [..., in_features], weight [out_features, in_features]; the output has input's dtype.
+    input [..., in_features], weight [out_features, in_features]; the output has input's dtype,
+    or under torch.autocast the autocast dtype, as nn.Linear's (the input gradient comes back in
+    input's dtype).
     recipe=None means current per-tensor scaling (or the state's recipe when a state is given).
     DelayedScaling needs `state` (fp8ops.ScalingState(recipe)), which holds the amax history;
     a state also caches the FP8 weight between optimizer steps and carries the random stream
@@ -64,13 +66,21 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         state.follow_stream(input.device)
     lead = input.shape[:-1]
     x2 = input.reshape(-1, weight.shape[1])
-    if isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        y = linear_per_tensor(x2, weight, bias, recipe, state)
-    elif isinstance(recipe, MXFP8Scaling):
-        y = linear_mx(x2, weight, bias, recipe, state)
-    elif isinstance(recipe, BlockwiseScaling):
-        y = linear_blockwise(x2, weight, bias, recipe, state)
+    out_dtype = output_dtype(input)
+    if out_dtype == input.dtype:
+        y = _linear_2d(x2, weight, bias, recipe, state, out_dtype)
+    else:  # autocast decided the output's dtype; nothing inside is for it to retype
+        with torch.autocast(input.device.type, enabled=False):
+            y = _linear_2d(x2, weight, bias, recipe, state, out_dtype)
     return _unflatten(y, (*lead, weight.shape[0]))
+
+
+def _linear_2d(x2, weight, bias, recipe, state, out_dtype):
+    if isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        return linear_per_tensor(x2, weight, bias, recipe, state, out_dtype=out_dtype)
+    if isinstance(recipe, MXFP8Scaling):
+        return linear_mx(x2, weight, bias, recipe, state, out_dtype)
+    return linear_blockwise(x2, weight, bias, recipe, state, out_dtype)
 
 
 def _unflatten(y: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -88,15 +88,24 @@ def _composite(name):
     return _without_grad(getattr(fused, name))
 
 
+# Dispatch keys through which torch.autocast would retype the kernels' own torch calls
+AUTOCAST_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+                 | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA))
+
+
 def _without_grad(fn):
     """A Python kernel runs under no_grad: below the (fallthrough) Autograd key its torch calls
-    must not record a graph on inputs that require grad. (Set directly: the no_grad context
-    manager costs more than some of the kernels on small tensors.)"""
+    must not record a graph on inputs that require grad. Nor does autocast reach them: the
+    emulation's float32 arithmetic is its definition, and autocast would run its matmuls in
+    bf16. (Set directly: the context managers cost more than some kernels on small tensors.)"""
     @functools.wraps(fn)
     def kernel(*args, **kwargs):
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
+            if torch._C._is_any_autocast_enabled():
+                with torch._C._ExcludeDispatchKeyGuard(AUTOCAST_KEYS):
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         finally:
             torch._C._set_grad_enabled(prev)
@@ -128,7 +137,7 @@ for _name in SCHEMAS:
         if _name == "gemm_mx" and backend.extension_loaded():
             # an FP8 GPU with no MX GEMM kernel of ours: bf16 tensor cores, not a float32 matmul
             from . import gemm_mx_cuda
-            _lib.impl(_name, torch.no_grad()(gemm_mx_cuda.gemm_mx), "CUDA")
+            _lib.impl(_name, _without_grad(gemm_mx_cuda.gemm_mx), "CUDA")
         else:
             _lib.impl(_name, _emulated(_name), "CUDA")
 
