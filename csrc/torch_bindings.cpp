@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <Python.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -806,6 +807,7 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
                      at::ScalarType out_dtype, bool fast_accum) {
   check_gemm_args(a, b, bias, out_dtype, "gemm");
   c10::cuda::CUDAGuard guard(a.device());
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 math
   at::Tensor sa = scalar_f32(a_scale_inv, a, "a_scale_inv");
   at::Tensor sb = scalar_f32(b_scale_inv, a, "b_scale_inv");
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
@@ -838,6 +840,7 @@ at::Tensor gemm_blockwise_cuda(const at::Tensor& a, const at::Tensor& b, const a
   FP8OPS_CHECK(a_scale_inv.device() == a.device() && b_scale_inv.device() == a.device(),
               "fp8ops.gemm_blockwise: a_scale_inv and b_scale_inv must be on ", a.device().str());
   c10::cuda::CUDAGuard guard(a.device());
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 math
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1), Kb = (K + 127) / 128, Nb = (N + 127) / 128;
   FP8OPS_CHECK(a_scale_inv.dim() == 2 && a_scale_inv.size(0) == M && a_scale_inv.size(1) == Kb,
               "fp8ops.gemm_blockwise: a_scale_inv must be [M, ceil(K/128)] = [", M, ", ", Kb, "], got ",
