@@ -85,6 +85,36 @@ __device__ __forceinline__ Pack<uint8_t, N> quant_pack(const Pack<T, N>& a, floa
   return q;
 }
 
+// The scale a cast multiplies by: given, or from the amax on the device (current scaling); block
+// 0 publishes it and its reciprocal when asked.
+__device__ __forceinline__ float cast_scale_of(const QuantizeParams& p) {
+  const float s = p.scale_amax != nullptr
+                      ? scale_from_amax(*p.scale_amax, 1.0f, p.fp8_max, p.margin, p.power_of_two)
+                      : *p.scale;
+  if (p.out_scale != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *p.out_scale = s;
+    *p.out_scale_inv = rcp_rn(s);
+  }
+  return s;
+}
+
+// Thread 0 of each block, m its block's max |x| bits: fold m into the amax, and in the last block
+// to finish (every other block's max is in by then), record the amax as record_amax_kernel does.
+__device__ __forceinline__ void finish_amax(const QuantizeParams& p, unsigned m) {
+  if (p.amax == nullptr) return;
+  if (m) atomicMax(reinterpret_cast<unsigned*>(p.amax), m);
+  if (p.pending_amax == nullptr) return;
+  __threadfence();
+  if (atomicAdd(p.blocks_done, 1u) != gridDim.x - 1) return;
+  __threadfence();
+  const float a = __uint_as_float(atomicOr(reinterpret_cast<unsigned*>(p.amax), 0u));
+  if (isfinite(a)) {
+    *p.pending_amax = fmaxf(*p.pending_amax, a);
+  } else {
+    *p.nonfinite_count += 1;
+  }
+}
+
 // The Philox stream of a stochastic cast: from the device buffer when there is one.
 __device__ __forceinline__ uint64_t stream_seed(const QuantizeParams& p) {
   return p.rng != nullptr ? static_cast<uint64_t>(p.rng[0]) : p.seed;
@@ -97,7 +127,7 @@ template <typename T, Fp8 F, bool kStoch>
 __global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
   constexpr int N = 16 / sizeof(T);
   const T* __restrict__ x = static_cast<const T*>(p.x);
-  const float s = *p.scale;
+  const float s = cast_scale_of(p);
   RandomWords rw(stream_seed(p), stream_offset(p));
   unsigned m = 0;
   for_each_flat<N>(
@@ -112,7 +142,7 @@ __global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
         p.data[i] = quant_one<F, kStoch>(v, s, rw, i);
       });
   m = block_max(m);
-  if (threadIdx.x == 0 && m) atomicMax(reinterpret_cast<unsigned*>(p.amax), m);
+  if (threadIdx.x == 0) finish_amax(p, m);
 }
 
 // ---- quantize + transpose -----------------------------------------------------------------------
@@ -131,7 +161,7 @@ quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool 
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const int64_t cols = p.cols;
   const int64_t r0 = (blockIdx.x / tiles_c) * kTile, c0 = (blockIdx.x % tiles_c) * kTile;
-  const float s = *p.scale;
+  const float s = cast_scale_of(p);
   RandomWords rw(stream_seed(p), stream_offset(p));
   unsigned m = 0;
 
@@ -167,7 +197,7 @@ quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool 
   }
 
   m = block_max(m);
-  if (threadIdx.x == 0 && m) atomicMax(reinterpret_cast<unsigned*>(p.amax), m);
+  if (threadIdx.x == 0) finish_amax(p, m);
 }
 
 // ---- dequantize ---------------------------------------------------------------------------------
@@ -207,7 +237,15 @@ void launch_amax(const AmaxParams& p, cudaStream_t stream) {
 }
 
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
-  FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
+  if (p.pending_amax != nullptr &&
+      (p.amax == nullptr || p.nonfinite_count == nullptr || p.blocks_done != reinterpret_cast<unsigned*>(p.amax + 1)))
+    throw std::invalid_argument("fp8ops: quantize: recording needs amax and blocks_done = amax + 1");
+  if (p.pending_amax != nullptr && p.n == 0)
+    throw std::invalid_argument("fp8ops: quantize: an empty cast records in launch_record_amax");
+  if (p.out_scale != nullptr && p.n == 0) throw std::invalid_argument("fp8ops: quantize: an empty cast has no block 0");
+  // one memset zeroes the amax and the count of finished blocks after it
+  if (p.amax != nullptr)
+    FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, p.blocks_done ? 2 * sizeof(float) : sizeof(float), stream));
   if (p.n == 0) return;
   if (p.data_t && p.cols <= 0) throw std::invalid_argument("fp8ops: quantize: cols must be > 0");
   dispatch_input(p.x_dtype, [&](auto tag) {

@@ -41,6 +41,18 @@ struct QuantizeParams {
   // device int64 [seed, offset] read by the kernel instead of seed and offset (nullptr: those):
   // a CUDA graph replays the stream the buffer holds at replay time
   const int64_t* rng = nullptr;
+  // The training step's one-call casts fold their scale math and amax bookkeeping into this
+  // launch (all nullptr: none of it). amax may then be nullptr (no amax wanted).
+  const float* scale_amax = nullptr;  // cast with scale_from_amax(*scale_amax, 1, ...), not *scale
+  float fp8_max = 0.0f, margin = 1.0f;
+  bool power_of_two = false;
+  float* out_scale = nullptr;      // the scale used and its reciprocal, written once
+  float* out_scale_inv = nullptr;
+  // The last block to finish records the whole amax into a delayed-scaling role, as
+  // launch_record_amax does: needs amax, and blocks_done right after it (amax + 1), zeroed with it.
+  float* pending_amax = nullptr;
+  int64_t* nonfinite_count = nullptr;
+  unsigned* blocks_done = nullptr;
 };
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 

@@ -148,41 +148,45 @@ const int64_t* rng_ptr(const std::optional<at::Tensor>& rng, const at::Tensor& x
   return rng->data_ptr<int64_t>();
 }
 
-// Launches the cast of x (numel > 0) into data / data_t.
-void launch_cast(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype, bool transpose,
-                 bool stochastic, int64_t seed, int64_t offset, const int64_t* rng_words, const at::Tensor& data,
-                 const at::Tensor& data_t, const at::Tensor& amax_out) {
+// The cast's outputs: data in x's shape, and data_t [cols, rows] (empty [0] without transpose).
+std::pair<at::Tensor, at::Tensor> fp8_outputs(const at::Tensor& xc, at::ScalarType dtype, bool transpose) {
   auto [rows, cols] = rows_cols(xc);
+  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
+  return {data, at::empty(tshape, xc.options().dtype(dtype))};
+}
+
+// The launch parameters of the cast of xc into data / data_t; the scale and amax are the caller's.
+fp8ops::QuantizeParams cast_params(const at::Tensor& xc, at::ScalarType dtype, bool transpose, bool stochastic,
+                                   int64_t seed, int64_t offset, const std::optional<at::Tensor>& rng,
+                                   const at::Tensor& data, const at::Tensor& data_t) {
   fp8ops::QuantizeParams p{};
   p.x = xc.data_ptr();
   p.x_dtype = to_dtype(xc.scalar_type());
   p.n = xc.numel();
-  p.cols = cols;
-  p.scale = scale.data_ptr<float>();
+  p.cols = rows_cols(xc).second;
   p.out_dtype = to_dtype(dtype);
   p.data = static_cast<uint8_t*>(data.data_ptr());
   p.data_t = transpose ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
-  p.amax = amax_out.data_ptr<float>();
   p.stochastic = stochastic;
   p.seed = static_cast<uint64_t>(seed);  // two's complement bits, as the emulation's masks
   p.offset = static_cast<uint64_t>(offset);
-  p.rng = rng_words;
-  fp8ops::launch_quantize(p, stream_of(xc));
+  p.rng = rng_ptr(rng, xc);
+  return p;
 }
 
 // data (and data_t) of x cast with the scale on the device; amax_out receives max |x|.
 std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
                                             bool transpose, bool stochastic, int64_t seed, int64_t offset,
                                             const std::optional<at::Tensor>& rng, const at::Tensor& amax_out) {
-  const int64_t* rng_words = rng_ptr(rng, xc);
-  auto [rows, cols] = rows_cols(xc);
-  at::Tensor data = at::empty(xc.sizes(), xc.options().dtype(dtype));
-  const std::vector<int64_t> tshape = transpose ? std::vector<int64_t>{cols, rows} : std::vector<int64_t>{0};
-  at::Tensor data_t = at::empty(tshape, xc.options().dtype(dtype));
+  auto [data, data_t] = fp8_outputs(xc, dtype, transpose);
+  fp8ops::QuantizeParams p = cast_params(xc, dtype, transpose, stochastic, seed, offset, rng, data, data_t);
   if (xc.numel() == 0) {
     amax_out.zero_();
   } else {
-    launch_cast(xc, scale, dtype, transpose, stochastic, seed, offset, rng_words, data, data_t, amax_out);
+    p.scale = scale.data_ptr<float>();
+    p.amax = amax_out.data_ptr<float>();
+    fp8ops::launch_quantize(p, stream_of(xc));
   }
   return {data, data_t};
 }
@@ -477,8 +481,21 @@ FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, doubl
   const auto f32 = xc.options().dtype(at::kFloat);
   at::Tensor amax = at::empty({}, f32), scale = at::empty({}, f32), scale_inv = at::empty({}, f32);
   amax_into(xc, amax);
-  cast_scale(amax.data_ptr<float>(), nullptr, dtype, margin, power_of_two, scale, scale_inv, stream_of(xc));
-  auto [data, data_t] = cast_with(xc, scale, dtype, transpose, stochastic, seed, offset, rng, amax);
+  if (xc.numel() == 0) {
+    cast_scale(amax.data_ptr<float>(), nullptr, dtype, margin, power_of_two, scale, scale_inv, stream_of(xc));
+    auto [data, data_t] = cast_with(xc, scale, dtype, transpose, stochastic, seed, offset, rng, amax);
+    return {data, data_t, scale, scale_inv, column_sums(xc, sum_dtype)};
+  }
+  // one launch after the amax: the cast takes its scale from the amax and publishes it
+  auto [data, data_t] = fp8_outputs(xc, dtype, transpose);
+  fp8ops::QuantizeParams p = cast_params(xc, dtype, transpose, stochastic, seed, offset, rng, data, data_t);
+  p.scale_amax = amax.data_ptr<float>();
+  p.fp8_max = fp8_max_of(dtype);
+  p.margin = static_cast<float>(margin);
+  p.power_of_two = power_of_two;
+  p.out_scale = scale.data_ptr<float>();
+  p.out_scale_inv = scale_inv.data_ptr<float>();
+  fp8ops::launch_quantize(p, stream_of(xc));
   advance_rng(stochastic, rng);
   return {data, data_t, scale, scale_inv, column_sums(xc, sum_dtype)};
 }
@@ -526,17 +543,37 @@ FusedCast quantize_delayed_cuda(const at::Tensor& x, const at::Tensor& amax_hist
     fp8ops::launch_delayed_scale_update(p, stream);
   }
   const auto f32 = xc.options().dtype(at::kFloat);
-  at::Tensor amax = at::empty({}, f32), used = at::empty({}, f32), used_inv = at::empty({}, f32);
-  if (warm) amax_into(xc, amax);
-  cast_scale(warm ? amax.data_ptr<float>() : nullptr, scale.data_ptr<float>(), dtype, margin, power_of_two, used,
-             used_inv, stream);
-  auto [data, data_t] = cast_with(xc, used, dtype, transpose, stochastic, seed, offset, rng, amax);
-  advance_rng(stochastic, rng);
-  if (record) {
-    fp8ops::launch_record_amax({amax.data_ptr<float>(), pending_amax.data_ptr<float>(),
-                                nonfinite_count.data_ptr<int64_t>()},
-                               stream);
+  at::Tensor used = at::empty({}, f32), used_inv = at::empty({}, f32);
+  if (warm || xc.numel() == 0) {  // the warm start's amax comes first (its first step only)
+    at::Tensor amax = at::empty({}, f32);
+    if (warm) amax_into(xc, amax);
+    cast_scale(warm ? amax.data_ptr<float>() : nullptr, scale.data_ptr<float>(), dtype, margin, power_of_two, used,
+               used_inv, stream);
+    auto [data, data_t] = cast_with(xc, used, dtype, transpose, stochastic, seed, offset, rng, amax);
+    advance_rng(stochastic, rng);
+    if (record) {
+      fp8ops::launch_record_amax({amax.data_ptr<float>(), pending_amax.data_ptr<float>(),
+                                  nonfinite_count.data_ptr<int64_t>()},
+                                 stream);
+    }
+    return {data, data_t, used, used_inv, column_sums(xc, sum_dtype)};
   }
+  // one launch: the cast reads the role's scale, publishes it, and its last block records the amax
+  auto [data, data_t] = fp8_outputs(xc, dtype, transpose);
+  fp8ops::QuantizeParams c = cast_params(xc, dtype, transpose, stochastic, seed, offset, rng, data, data_t);
+  c.scale = scale.data_ptr<float>();
+  c.out_scale = used.data_ptr<float>();
+  c.out_scale_inv = used_inv.data_ptr<float>();
+  at::Tensor amax_done;  // [amax, count of finished blocks]: only a recording cast needs the amax
+  if (record) {
+    amax_done = at::empty({2}, f32);
+    c.amax = amax_done.data_ptr<float>();
+    c.pending_amax = pending_amax.data_ptr<float>();
+    c.nonfinite_count = nonfinite_count.data_ptr<int64_t>();
+    c.blocks_done = reinterpret_cast<unsigned*>(c.amax + 1);
+  }
+  fp8ops::launch_quantize(c, stream);
+  advance_rng(stochastic, rng);
   return {data, data_t, used, used_inv, column_sums(xc, sum_dtype)};
 }
 
