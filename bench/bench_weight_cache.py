@@ -42,15 +42,23 @@ def _forward_times(recipe, shape, device, repeats):
     layer = fp8ops.FP8Linear(K, N, recipe=recipe, device=device)
     x = torch.randn(M, K, device=device)
     cached, recast = [], []
-    for _ in range(repeats):  # interleaved, so that the machine's load hits both alike
+
+    def timed(into):
+        t = _now(device)
+        layer(x)
+        into.append(_now(device) - t)
+
+    # interleaved, so that the machine's load hits both alike, and each first in every other
+    # pair, so that neither always pays for what the other (or the backward) leaves behind
+    for i in range(repeats):
+        if i % 2:
+            layer.weight.grad = None  # no voucher: the forward casts again
+            timed(recast)
         layer(x).float().sum().backward()  # untimed: the gradient now vouches for the cast
-        t = _now(device)
-        layer(x)
-        cached.append(_now(device) - t)
-        layer.weight.grad = None  # the voucher gone: the next forward casts again
-        t = _now(device)
-        layer(x)
-        recast.append(_now(device) - t)
+        timed(cached)
+        if not i % 2:
+            layer.weight.grad = None
+            timed(recast)
     return statistics.median(cached), statistics.median(recast)
 
 
