@@ -519,6 +519,14 @@ class ScalingState(nn.Module):
                 # that calls it: without this, the next forward's hook would never run
                 tensor._post_accumulate_grad_hooks = None
 
+    # Plain attributes a layer's forward updates on every call, set without nn.Module's
+    # __setattr__ (its checks for parameters, buffers and submodules cost more than the update)
+    def set_recording(self, on: bool) -> None:
+        self.__dict__["recording"] = on
+
+    def count_high_precision_call(self) -> None:
+        self.__dict__["high_precision_calls"] += 1
+
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)
         after the stream that used it last: a forward on a side stream, its backward or the next

@@ -106,11 +106,13 @@ class FP8Linear(nn.Linear):
         weight = self._out_in_weight()
         state = self.fp8_state
         if not self._runs_fp8(input, weight):
-            state.high_precision_calls += 1
-            bias = None if self.bias is None else self.bias.to(input.dtype)
-            return F.linear(input, weight.to(input.dtype), bias)
+            state.count_high_precision_call()
+            dtype, bias = input.dtype, self.bias
+            if bias is not None and bias.dtype != dtype:
+                bias = bias.to(dtype)
+            return F.linear(input, weight if weight.dtype == dtype else weight.to(dtype), bias)
         # eval mode uses the scales as trained and records nothing (no amax, no step)
-        state.recording = self.training
+        state.set_recording(self.training)
         return linear(input, weight, self.bias, state=state)
 
     def _out_in_weight(self) -> torch.Tensor:
