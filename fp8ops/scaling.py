@@ -349,6 +349,7 @@ class ScalingState(nn.Module):
         self._gathered_key = None
         self._gathered_amax = None  # (weight key, amax, finite, scales made) for the next decision
         self._decisions = 0  # FP8 all-gather scales decided so far (numbers them)
+        self._gathered_shard = None  # (key, FP8 bytes) of the forward's gather, for backward's
         # under torch.distributed: the roles with amaxes recorded on this rank only, since the
         # last reduce_records()
         self._unreduced = set()
@@ -527,6 +528,11 @@ class ScalingState(nn.Module):
     def count_high_precision_call(self) -> None:
         self.__dict__["high_precision_calls"] += 1
 
+    def release_gathered_shard(self) -> None:
+        """Drop the FP8 shard bytes a forward's FSDP2 gather kept for its backward's re-gather
+        (distributed/fsdp.py): the backward has them, or never re-gathers."""
+        self.__dict__["_gathered_shard"] = None
+
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)
         after the stream that used it last: a forward on a side stream, its backward or the next
@@ -617,7 +623,7 @@ class ScalingState(nn.Module):
         state["_weight_cache"] = weight_cache.restored(self._saved_cast_scale(),
                                                        self.weight_generation)
         state["_hooked"] = state["source"] = state["_stream"] = state["_watched"] = None
-        state["_gathered_key"] = state["_gathered_amax"] = None
+        state["_gathered_key"] = state["_gathered_amax"] = state["_gathered_shard"] = None
         state["_unreduced"] = set()  # (a copy outside the process group reduces nothing)
         return state
 
@@ -625,7 +631,7 @@ class ScalingState(nn.Module):
         state.setdefault("host_weight", None)  # older pickles have none
         state.setdefault("_generation", _Generation())
         for name in ("_hooked", "source", "_stream", "_watched", "_gathered_key",
-                     "_gathered_amax"):
+                     "_gathered_amax", "_gathered_shard"):
             state.setdefault(name, None)
         state.setdefault("weight_transposed", False)
         state.setdefault("_decisions", 0)

@@ -193,6 +193,14 @@ def _world1_worker(rank, out_dir):
         model = shard(make_model(RECIPES[name]))
         res[name] = {"losses": train(model), "state": full_state(model),
                      "kinds": gathered_kinds(model)}
+    for reshard in (True, False):  # the shard bytes a forward kept for its backward's re-gather
+        model = shard(make_model(RECIPES["current"]), reshard)
+        x, y = batch(0, 0)
+        loss = F.mse_loss(model(x), y)
+        kept = [model[i].fp8_state._gathered_shard is not None for i in (0, 2, 4)]
+        loss.backward()
+        res["kept", reshard] = (kept, [model[i].fp8_state._gathered_shard is None
+                                       for i in (0, 2, 4)])
     return res
 
 
@@ -245,6 +253,8 @@ def test_fp8_all_gather_world_size_one(single):
         # no eval forwards in this run: compare with a fresh single-process run
         model = make_model(RECIPES[name])
         _assert_same(res[name], {"losses": train(model), "state": full_state(model)}, name)
+    for reshard in (True, False):  # held from the forward to the backward only
+        assert res["kept", reshard] == ([True] * 3, [True] * 3), reshard
 
 
 @pytest.fixture(scope="module")

@@ -126,13 +126,13 @@ class FP8WeightShard(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         layer = self._layer()
-        values = self._data
-        if mp_policy.param_dtype is not None:  # what a high-precision gather would cast
-            values = values.to(mp_policy.param_dtype)
+        # the dtype a high-precision gather would cast the shard to
+        dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else self._data.dtype
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows
         recipe = layer.recipe
         fwd, _ = recipe_formats(recipe)
         if isinstance(recipe, BlockwiseScaling):
+            values = self._data.to(dtype)
             data, scale_inv = _ops.quantize_blockwise(values, fwd.dtype, BLOCK, BLOCK,
                                                       recipe.power_of_two)
             meta = ("blockwise", fwd.dtype, tuple(scale_inv.shape[1:]))
@@ -141,12 +141,8 @@ class FP8WeightShard(torch.Tensor):
                                     scale_inv.view(torch.uint8).flatten()])
                 return (packed,), meta
             return (data.view(torch.uint8), scale_inv), meta
-        scale, decision = _window_scale(layer, values)
-        data = _ops.quantize(values, scale, fwd.dtype, False)[0]
-        if data.shape[0] != rows:  # an uneven shard: FSDP2 gathers equal pieces
-            padded = data.new_zeros((rows, *data.shape[1:]))
-            padded[:data.shape[0]] = data
-            data = padded
+        scale, decision = _window_scale(layer, dtype, self._data.device)
+        data = _shard_bytes(layer.fp8_state, self._data, dtype, scale, decision, fwd.dtype, rows)
         return (data.view(torch.uint8),), ("tensor", fwd.dtype, (scale, decision))
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -253,6 +249,30 @@ class FP8GatheredWeight(torch.Tensor):
         return payload
 
 
+def _shard_bytes(state, local: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
+                 decision: int, fp8_dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """This rank's shard, in `dtype`, cast with the window's scale and padded to FSDP2's `rows`.
+    A forward's gather keeps its bytes for the backward's re-gather (FSDP2 resharded after
+    forward), which takes them instead of casting again: the same decision of the same values
+    (nothing may change a weight between a forward and its backward) gives the same bytes.
+    FSDP2 only reads them (it copies them into its all-gather buffer). The backward releases
+    them (ScalingState.release_gathered_shard), re-gathered or not."""
+    key = (decision, _values_key(state), dtype)
+    backward = torch._C._current_graph_task_id() != -1
+    if backward:
+        kept, state._gathered_shard = state._gathered_shard, None
+        if kept is not None and kept[0] == key:
+            return kept[1]
+    values = local if local.dtype == dtype else local.to(dtype)
+    data = _ops.quantize(values, scale, fp8_dtype, False)[0]
+    if data.shape[0] != rows:  # an uneven shard: FSDP2 gathers equal pieces
+        padded = data.new_zeros((rows, *data.shape[1:]))
+        padded[:data.shape[0]] = data
+        data = padded
+    state._gathered_shard = None if backward else (key, data)
+    return data
+
+
 def _fits(entry, decision: int, state, live: bool) -> bool:
     """Whether the gathered cast with this decision number serves this forward."""
     if entry is None or entry.gathered != decision or entry.generation != state.weight_generation:
@@ -277,7 +297,7 @@ def _reusable(entry, state, live: bool, key) -> bool:
     return entry.stepped and (vouched or (entry.gathered and not entry.consumed))
 
 
-def _window_scale(layer, values: torch.Tensor):
+def _window_scale(layer, dtype: torch.dtype, device: torch.device):
     """(scale, decision number) of this gather's per-tensor cast: decided once per accumulation
     window (a delayed-scaling layer steps its weight role then) and reused by every gather until
     the weight changes (an optimizer step over it, an in-place write, a checkpoint load)."""
@@ -296,7 +316,7 @@ def _window_scale(layer, values: torch.Tensor):
     if role is not None and role.started and not live:
         scale = role.scale.clone()  # no amax needed: no collective
     else:
-        amax, finite, own_scale = _global_amax(layer, key, values.dtype, values.device)
+        amax, finite, own_scale = _global_amax(layer, key, dtype, device)
         if role is not None and live:
             if state.needs_reduce("weight"):  # a local record (a recast) must count first
                 state.reduce_records()
