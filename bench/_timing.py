@@ -113,6 +113,9 @@ def captured_step(forward_backward, zero_grad, after, warmup: int = 3):
     def step():
         graph.replay()
         after()
+    # the graph reads and writes the tensors those closures hold (the input, the target): they
+    # must live as long as the step, or the replays read memory the allocator has handed out again
+    step.captured = (forward_backward, zero_grad)
     return step
 
 

@@ -44,15 +44,16 @@ def _forward_times(recipe, shape, device, repeats):
     cached, recast = [], []
 
     def timed(into):
+        layer(x)  # untimed, the same kind: neither timed forward follows a backward
         t = _now(device)
         layer(x)
         into.append(_now(device) - t)
 
     # interleaved, so that the machine's load hits both alike, and each first in every other
-    # pair, so that neither always pays for what the other (or the backward) leaves behind
+    # pair, so that neither always pays for what the other leaves behind
     for i in range(repeats):
         if i % 2:
-            layer.weight.grad = None  # no voucher: the forward casts again
+            layer.weight.grad = None  # no voucher: every forward casts again
             timed(recast)
         layer(x).float().sum().backward()  # untimed: the gradient now vouches for the cast
         timed(cached)
