@@ -60,15 +60,22 @@ __device__ __forceinline__ uint8_t quant_one(float v, float s, RandomWords& rw, 
   else return to_fp8<F>(y);
 }
 
+// v rounded to nearest in `via` and back (a high-precision gather's dtype): exact otherwise.
+__device__ __forceinline__ float through(float v, DType via) {
+  if (via == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(v));
+  if (via == DType::kFloat16) return __half2float(__float2half_rn(v));
+  return v;
+}
+
 // N consecutive elements starting at flat index i0 -> N bytes; also folds |x| into m.
 template <typename T, Fp8 F, bool kStoch, int N>
-__device__ __forceinline__ Pack<uint8_t, N> quant_pack(const Pack<T, N>& a, float s,
+__device__ __forceinline__ Pack<uint8_t, N> quant_pack(const Pack<T, N>& a, float s, DType via,
                                                        RandomWords& rw, int64_t i0, unsigned& m) {
   Pack<uint8_t, N> q;
   float f[N];
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    f[k] = to_float(a.v[k]);
+    f[k] = through(to_float(a.v[k]), via);
     m = max(m, abs_bits(f[k]));
   }
   if constexpr (kStoch || N == 1) {
@@ -134,10 +141,10 @@ __global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
       plan,
       [&](int64_t i) {
         Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + i);
-        *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = quant_pack<T, F, kStoch, N>(a, s, rw, i, m);
+        *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = quant_pack<T, F, kStoch, N>(a, s, p.via, rw, i, m);
       },
       [&](int64_t i) {
-        float v = to_float(x[i]);
+        float v = through(to_float(x[i]), p.via);
         m = max(m, abs_bits(v));
         p.data[i] = quant_one<F, kStoch>(v, s, rw, i);
       });
@@ -171,7 +178,7 @@ quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool 
     if (gr >= rows || gc >= cols) continue;  // with kVec, cols % N == 0: whole vector in range
     const int64_t i = gr * cols + gc;
     Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + i);
-    Pack<uint8_t, N> q = quant_pack<T, F, kStoch, N>(a, s, rw, i, m);
+    Pack<uint8_t, N> q = quant_pack<T, F, kStoch, N>(a, s, p.via, rw, i, m);
     *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = q;
     if constexpr (N >= 4) {
 #pragma unroll
@@ -243,6 +250,8 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.pending_amax != nullptr && p.n == 0)
     throw std::invalid_argument("fp8ops: quantize: an empty cast records in launch_record_amax");
   if (p.out_scale != nullptr && p.n == 0) throw std::invalid_argument("fp8ops: quantize: an empty cast has no block 0");
+  if (p.via != DType::kFloat32 && p.via != DType::kBFloat16 && p.via != DType::kFloat16)
+    throw std::invalid_argument("fp8ops: quantize: via must be float32, bfloat16 or float16");
   // one memset zeroes the amax and the count of finished blocks after it
   if (p.amax != nullptr)
     FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, p.blocks_done ? 2 * sizeof(float) : sizeof(float), stream));

@@ -36,6 +36,7 @@ struct QuantizeParams {
   uint8_t* data;       // n bytes
   uint8_t* data_t;     // n bytes or nullptr
   float* amax;         // device, 1 element
+  DType via = DType::kFloat32;  // kBFloat16 / kFloat16: x rounded to it first (kFloat32: as it is)
   bool stochastic;
   uint64_t seed, offset;  // Philox key and counter high half (DESIGN.md section 4)
   // device int64 [seed, offset] read by the kernel instead of seed and offset (nullptr: those):

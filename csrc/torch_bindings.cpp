@@ -175,12 +175,15 @@ fp8ops::QuantizeParams cast_params(const at::Tensor& xc, at::ScalarType dtype, b
   return p;
 }
 
-// data (and data_t) of x cast with the scale on the device; amax_out receives max |x|.
+// data (and data_t) of x (rounded to via first, when given) cast with the scale on the device;
+// amax_out receives max |x|.
 std::pair<at::Tensor, at::Tensor> cast_with(const at::Tensor& xc, const at::Tensor& scale, at::ScalarType dtype,
                                             bool transpose, bool stochastic, int64_t seed, int64_t offset,
-                                            const std::optional<at::Tensor>& rng, const at::Tensor& amax_out) {
+                                            const std::optional<at::Tensor>& rng, const at::Tensor& amax_out,
+                                            std::optional<at::ScalarType> via = std::nullopt) {
   auto [data, data_t] = fp8_outputs(xc, dtype, transpose);
   fp8ops::QuantizeParams p = cast_params(xc, dtype, transpose, stochastic, seed, offset, rng, data, data_t);
+  if (via) p.via = to_dtype(*via);
   if (xc.numel() == 0) {
     amax_out.zero_();
   } else {
@@ -199,13 +202,16 @@ void advance_rng(bool stochastic, const std::optional<at::Tensor>& rng) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, const at::Tensor& scale,
                                                              at::ScalarType dtype, bool transpose,
                                                              bool stochastic, int64_t seed, int64_t offset,
-                                                             const std::optional<at::Tensor>& rng) {
+                                                             const std::optional<at::Tensor>& rng,
+                                                             std::optional<at::ScalarType> via) {
   check_input(x, "x");
   check_fp8_dtype(dtype, "dtype");
+  FP8OPS_CHECK(!via || *via == at::kFloat || *via == at::kBFloat16 || *via == at::kHalf,
+               "fp8ops: via must be float32, bfloat16 or float16, got ", dtype_str(*via));
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous(), s = cast_scale_f32(scale, x, "scale");
   at::Tensor amax = at::empty({}, xc.options().dtype(at::kFloat));
-  auto [data, data_t] = cast_with(xc, s, dtype, transpose, stochastic, seed, offset, rng, amax);
+  auto [data, data_t] = cast_with(xc, s, dtype, transpose, stochastic, seed, offset, rng, amax, via);
   return {data, data_t, amax};  // (quantize only reads rng: the fused ops advance it)
 }
 

@@ -124,6 +124,28 @@ def test_quantize_specials(fmt, dtype, stochastic):
 
 
 @pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("via", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_via_a_gather_dtype(fmt, via, transpose, stochastic):
+    """The float32 shard rounded to the gather's dtype inside the cast (FSDP2's FP8 gather)."""
+    for shape in [(1000, 1001), (64, 128), (7,), (31, 33)]:
+        for i, mag in enumerate([1.0, 300.0, 7e4]):
+            x = _random(shape, torch.float32, mag, seed=i)
+            s = torch.tensor(MAX[fmt] / mag / 4, device="cuda")
+            got = OPS.quantize(x, s, fmt, transpose, stochastic, 3, i, None, via)
+            ref = emulation.quantize(x, s, fmt, transpose, stochastic, 3, i, None, via)
+            for g, r in zip(got[:2], ref[:2]):
+                _bytes_equal(g, r)
+            _float_equal(got[2], ref[2])
+    x = _specials(torch.float32, fmt)
+    s = torch.tensor(1.0, device="cuda")
+    for g, r in zip(OPS.quantize(x, s, fmt, False, stochastic, 5, 0, None, via)[::2],
+                    emulation.quantize(x, s, fmt, False, stochastic, 5, 0, None, via)[::2]):
+        (_bytes_equal if g.element_size() == 1 else _float_equal)(g, r)
+
+
+@pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("dtype", INPUTS)
 def test_quantize_misaligned_and_noncontiguous(fmt, dtype):
     x = _random((130, 67), dtype, 10.0)

@@ -24,7 +24,8 @@ def _samples():
         "amax_percentile": [(x, 99.0), (xb, 100.0), (torch.empty(0, 3), 50.0)],
         "quantize": [(x, s, E4, False, False, 0, 0), (xb, s, E5, True, False, 0, 0),
                      (x.to(torch.float16), s, E4, True, True, 3, 4),
-                     (torch.empty(0, 5), s, E4, True, False, 0, 0)],
+                     (torch.empty(0, 5), s, E4, True, False, 0, 0),
+                     (x, s, E4, True, False, 0, 0, None, torch.bfloat16)],
         "dequantize": [(_fp8((6, 64)), torch.tensor(0.5), torch.bfloat16),
                        (_fp8((3,), E5), torch.tensor(0.5), torch.float32)],
         "quantize_mx": [(x, E4, 32, 1, False), (xb, E5, 32, 1, True),
@@ -101,6 +102,33 @@ def test_autocast_does_not_reach_the_kernels(name, dtype):
             assert g.dtype == r.dtype
             assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
                                r.view(torch.uint8) if r.element_size() == 1 else r), name
+
+
+@pytest.mark.parametrize("via", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_via_is_the_cast_of_the_rounded_input(via, stochastic):
+    """quantize(x, ..., via) casts x.to(via) (its amax included) without making that copy: the
+    bytes of a high-precision gather's values. The inputs round differently through bf16 and
+    fp16 (halfway cases, fp16 overflow and underflow, specials)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 96, generator=g) * 40
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 70000.0, 1e-8, -0.0])
+    x[1] = 1 + (torch.arange(96) % 3 - 1) * 2.0 ** -8  # bf16 ties and their neighbours
+    scale = torch.tensor(3.0)
+    got = torch.ops.fp8ops.quantize(x, scale, E4, True, stochastic, 7, 1, None, via)
+    want = torch.ops.fp8ops.quantize(x.to(via), scale, E4, True, stochastic, 7, 1)
+    for g_, w in zip(got, want):
+        assert g_.dtype == w.dtype
+        assert torch.equal(g_.view(torch.uint8) if g_.element_size() == 1 else g_,
+                           w.view(torch.uint8) if w.element_size() == 1 else w) or \
+            (g_.isnan().all() and w.isnan().all())
+    with pytest.raises(ValueError, match="via"):
+        torch.ops.fp8ops.quantize(x, scale, E4, False, False, 0, 0, None, torch.int32)
+    if via == torch.bfloat16 and not stochastic:  # a double rounding the cast must reproduce
+        v = torch.tensor([1.0625 + 2.0 ** -12])  # rounds up to E4M3 1.125 from float32; in bf16
+        one = torch.tensor(1.0)                  # it is the tie 1.0625, which goes to even 1.0
+        assert torch.ops.fp8ops.quantize(v, one, E4)[0].float().item() == 1.125
+        assert torch.ops.fp8ops.quantize(v, one, E4, via=via)[0].float().item() == 1.0
 
 
 def test_ops_are_not_differentiable():

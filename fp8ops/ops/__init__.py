@@ -25,10 +25,11 @@ SCHEMAS = {
     "amax": "(Tensor x) -> Tensor",
     "amax_percentile": "(Tensor x, float percentile) -> Tensor",
     # rng: int64 [seed, offset] on x's device, read by the cast instead of seed and offset (a
-    # CUDA graph replays the values it holds then, not those of the capture)
+    # CUDA graph replays the values it holds then, not those of the capture); via: x rounded to
+    # this dtype first (amax included), as x.to(via) would (no copy is made)
     "quantize": "(Tensor x, Tensor scale, ScalarType dtype, bool transpose=False, "
-                "bool stochastic=False, int seed=0, int offset=0, Tensor? rng=None) "
-                "-> (Tensor, Tensor, Tensor)",
+                "bool stochastic=False, int seed=0, int offset=0, Tensor? rng=None, "
+                "ScalarType? via=None) -> (Tensor, Tensor, Tensor)",
     "dequantize": "(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",
     "quantize_mx": "(Tensor x, ScalarType dtype, int block_size, int axis, bool rceil) "
                    "-> (Tensor, Tensor)",
@@ -168,7 +169,7 @@ def _(x, percentile):
 
 
 @torch.library.register_fake("fp8ops::quantize")
-def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0, rng=None):
+def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0, rng=None, via=None):
     rows, cols = _rows_cols(x)
     data_t = x.new_empty((cols, rows) if transpose else (0,), dtype=dtype)
     return x.new_empty(x.shape, dtype=dtype), data_t, _scalar_f32(x)

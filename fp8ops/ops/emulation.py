@@ -179,7 +179,13 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0,
-             rng: Optional[torch.Tensor] = None):
+             rng: Optional[torch.Tensor] = None, via: Optional[torch.dtype] = None):
+    """x (rounded to `via` first, when given) scaled and rounded to FP8: (data, data_t or an
+    empty tensor, amax of x)."""
+    if via is not None:
+        if via not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"fp8ops: via must be float32, bfloat16 or float16, got {via}")
+        x = x.to(via)
     fmt = get_format(dtype)
     if rng is not None:
         seed, offset = rng_words(rng)
