@@ -201,6 +201,10 @@ def _world1_worker(rank, out_dir):
         loss.backward()
         res["kept", reshard] = (kept, [model[i].fp8_state._gathered_shard is None
                                        for i in (0, 2, 4)])
+        with torch.no_grad():  # no backward follows: nothing kept
+            model(x)
+        res["kept_no_grad", reshard] = [model[i].fp8_state._gathered_shard is None
+                                        for i in (0, 2, 4)]
     return res
 
 
@@ -255,6 +259,7 @@ def test_fp8_all_gather_world_size_one(single):
         _assert_same(res[name], {"losses": train(model), "state": full_state(model)}, name)
     for reshard in (True, False):  # held from the forward to the backward only
         assert res["kept", reshard] == ([True] * 3, [True] * 3), reshard
+        assert res["kept_no_grad", reshard] == [True] * 3, reshard
 
 
 @pytest.fixture(scope="module")

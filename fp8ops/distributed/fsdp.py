@@ -270,7 +270,9 @@ def _shard_bytes(state, local: torch.Tensor, dtype: torch.dtype, scale: torch.Te
         padded = data.new_zeros((rows, *data.shape[1:]))
         padded[:data.shape[0]] = data
         data = padded
-    state._gathered_shard = None if backward else (key, data)
+    # kept only for a backward that may follow (none under no_grad, eval or inference)
+    keep = not backward and torch.is_grad_enabled()
+    state._gathered_shard = (key, data) if keep else None
     return data
 
 
