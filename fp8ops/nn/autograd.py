@@ -216,7 +216,8 @@ class PerTensorLinear(torch.autograd.Function):
         delayed = state is not None and state.delayed
         if state is not None:
             state.follow_stream(dy2.device)
-            state.release_gathered_shard()
+            if not torch.compiler.is_compiling():  # (a compiled layer's weight is never one
+                state.release_gathered_shard()     # FSDP2 gathered in FP8: nothing kept)
         # stochastic rounding reads its random stream from the state's device buffer
         rng = state.rng if recipe.grad_rounding == "stochastic" else None
         stepping = delayed and state.recording
