@@ -62,8 +62,8 @@ __device__ __forceinline__ uint8_t quant_one(float v, float s, RandomWords& rw, 
 
 // v rounded to nearest in `via` and back (a high-precision gather's dtype): exact otherwise.
 __device__ __forceinline__ float through(float v, DType via) {
-  if (via == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(v));
-  if (via == DType::kFloat16) return __half2float(__float2half_rn(v));
+  if (via == DType::kBFloat16) return to_float(from_float<__nv_bfloat16>(v));
+  if (via == DType::kFloat16) return to_float(from_float<__half>(v));
   return v;
 }
 
