@@ -72,6 +72,10 @@ if want bench; then
     > "$OUT/bench_linear_graph.log" 2>&1
   rc=$?; tail -16 "$OUT/bench_linear_graph.log"; record $rc bench_linear_graph
 
+  section "bench/profile_linear.py (host time of one layer step, FP8 and bf16; where it goes)"
+  timeout 300 python3 bench/profile_linear.py > "$OUT/profile_linear.log" 2>&1
+  rc=$?; grep "^== " "$OUT/profile_linear.log"; record $rc profile_linear
+
   section "bench/bench_block.py (Llama-3-8B block, seq 8192: every recipe vs bf16, eager and CUDA-graphed)"
   timeout 600 python3 bench/bench_block.py > "$OUT/bench_block.log" 2>&1
   rc=$?; tail -20 "$OUT/bench_block.log"; record $rc bench_block
