@@ -42,7 +42,6 @@ def test_a_variant_that_raises_is_recorded_and_the_others_go_on():
     assert "out of memory" in out["flaky"]
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_captured_step_keeps_the_tensors_its_graph_reads():
