@@ -265,7 +265,7 @@ def _shard_bytes(state, local: torch.Tensor, dtype: torch.dtype, scale: torch.Te
             return kept[1]
     # rounded to the gather's dtype inside the cast: no converted copy of the shard first
     via = None if local.dtype == dtype else dtype
-    data = _ops.quantize(local, scale, fp8_dtype, False, False, 0, 0, None, via)[0]
+    data = _ops.quantize(local, scale, fp8_dtype, via=via)[0]
     if data.shape[0] != rows:  # an uneven shard: FSDP2 gathers equal pieces
         padded = data.new_zeros((rows, *data.shape[1:]))
         padded[:data.shape[0]] = data
