@@ -5,7 +5,8 @@ GB/s counts bytes read + written (a fused op's every output counted as written).
 the median of many CUDA-event-timed runs with the L2 flushed before each, on fresh random inputs.
 The fused casts a training step calls (ops.quantize_current, quantize_delayed,
 quantize_blockwise_pair, quantize_mx_pair, with dY's column sums) are also timed as the unfused
-ops they stand for (fp8ops/ops/fused.py), each with its own kernel: what the fusion saves. Prints a
+ops they stand for (fp8ops/ops/fused.py), each with its own kernel: what the fusion saves. The byte
+transpose (transpose_fp8) reads the E4M3 cast of the input. Prints a
 markdown table and writes it to bench/results/cast.md, with a plot in bench/results/cast.png.
 
     python bench/bench_cast.py [--max-mb 1024] [--iters 30] [--no-compile]
@@ -40,6 +41,7 @@ def _cases(x, scale):
     rows, cols = x.shape
     rb_c = (cols + 127) // 128
     rb_r = (rows + 127) // 128
+    q = ops.quantize(x, scale, E4M3)[0]
     return {
         "amax": (lambda: ops.amax(x), lambda: emu.amax(x), 2 * n + 4, None),
         "quantize": (lambda: ops.quantize(x, scale, E4M3), lambda: emu.quantize(x, scale, E4M3),
@@ -58,6 +60,8 @@ def _cases(x, scale):
         "quantize_blockwise 128x128": (lambda: ops.quantize_blockwise(x, E4M3, 128, 128, False),
                                        lambda: emu.quantize_blockwise(x, E4M3, 128, 128, False),
                                        3 * n + 4 * rb_r * rb_c, None),
+        # the dgrad copy of a weight that arrives cast (FSDP2's FP8 gather): bytes in, bytes out
+        "transpose_fp8": (lambda: ops.transpose_fp8(q), lambda: emu.transpose_fp8(q), 2 * n, None),
         **_fused_cases(x, ops, fused),
     }
 

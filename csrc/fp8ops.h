@@ -222,6 +222,13 @@ struct RecordAmaxParams {
   int64_t* nonfinite_count;
 };
 void launch_record_amax(const RecordAmaxParams& p, cudaStream_t stream);
+// out [cols, rows] = the transpose of the row-major byte matrix x [rows, cols] (transpose.cu).
+struct TransposeBytesParams {
+  const uint8_t* x;
+  int64_t rows, cols;
+  uint8_t* out;  // rows * cols bytes, not overlapping x
+};
+void launch_transpose_bytes(const TransposeBytesParams& p, cudaStream_t stream);
 // ==== END cast kernels ====
 
 // ==== BEGIN gemm ====

@@ -228,6 +228,23 @@ at::Tensor dequantize_cuda(const at::Tensor& data, const at::Tensor& scale_inv, 
   return out;
 }
 
+// data^T, contiguous: a 2-D FP8 (or uint8) tensor's transposed copy in one tiled kernel.
+at::Tensor transpose_fp8_cuda(const at::Tensor& data) {
+  check_cuda(data, "data");
+  const auto t = data.scalar_type();
+  FP8OPS_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kByte,
+              "fp8ops: transpose_fp8: data must be float8_e4m3fn, float8_e5m2 or uint8, got ", dtype_str(t));
+  FP8OPS_CHECK(data.dim() == 2, "fp8ops: transpose_fp8: data must be 2-D, got shape ", shape_str(data));
+  c10::cuda::CUDAGuard guard(data.device());
+  at::Tensor dc = data.contiguous();
+  at::Tensor out = at::empty({dc.size(1), dc.size(0)}, dc.options());
+  if (dc.numel() == 0) return out;
+  fp8ops::launch_transpose_bytes({static_cast<const uint8_t*>(dc.data_ptr()), dc.size(0), dc.size(1),
+                                  static_cast<uint8_t*>(out.data_ptr())},
+                                 stream_of(dc));
+  return out;
+}
+
 // x viewed as [outer, len, inner] around `axis` (normalized), checking the MX block.
 struct MxView {
   int64_t axis, outer = 1, len, inner = 1;
@@ -967,6 +984,7 @@ TORCH_LIBRARY_IMPL(fp8ops, CUDA, m) {
   // ==== BEGIN cast registrations ====
   m.impl("quantize", &quantize_cuda);
   m.impl("dequantize", &dequantize_cuda);
+  m.impl("transpose_fp8", &transpose_fp8_cuda);
   m.impl("quantize_mx", &quantize_mx_cuda);
   m.impl("dequantize_mx", &dequantize_mx_cuda);
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);

@@ -1,7 +1,7 @@
 """Runs every fp8ops cast and GEMM op once on small CUDA tensors (odd sizes, misaligned views), for
 compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck. With --race it runs only
-the kernels that share data through shared memory (the fused cast+transpose, the blockwise pair
-cast and the scale update), for --tool racecheck, which is slow on the GEMMs."""
+the kernels that share data through shared memory (the fused cast+transpose, the byte transpose,
+the blockwise pair cast and the scale update), for --tool racecheck, which is slow on the GEMMs."""
 import sys
 
 import torch
@@ -36,6 +36,10 @@ if "--race" in sys.argv:
                              False)
     for v in (x, x[:, :256].contiguous(), x.float()):  # the tiled blockwise pair cast
         ops.quantize_blockwise_pair(v, F8, False)
+    q = ops.quantize(x, s, F8)[0]  # the byte transpose: each read and write width, partial tiles
+    for v in (q, q[:, :256].contiguous(), q[:256, :96].contiguous(),
+              q.reshape(-1)[1:1 + 99 * 77].view(99, 77)):
+        ops.transpose_fp8(v)
     for algo in ("max", "percentile"):  # the update in place: outputs alias the inputs
         bufs = _role_buffers(1024)
         ops.quantize_delayed(x, *bufs, F8, 1.0, 1, algo, 0.1, 90.0, False, True, False, True)
@@ -54,6 +58,8 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
             ops.quantize(x.reshape(-1)[5:], s, torch.float8_e5m2, tr, stoch, 1, 2)
     ops.dequantize(q, s, dt)
     ops.dequantize(q.reshape(-1)[3:], s, dt)
+    ops.transpose_fp8(q)
+    ops.transpose_fp8(q.reshape(-1)[1:1 + 36 * 129].view(36, 129))
     xm = (torch.randn(6, 96, 5, device="cuda")).to(dt)
     for axis in (-1, 0, 1):
         if xm.shape[axis] % 32 == 0 or axis == 1:

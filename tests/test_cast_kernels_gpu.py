@@ -168,6 +168,41 @@ def test_dequantize(fmt, out_dtype, shape):
                      emulation.dequantize(data.reshape(-1)[3:], s, out_dtype))
 
 
+TRANSPOSE_SHAPES = [(1, 1), (1, 17), (17, 1), (64, 64), (65, 63), (100, 36), (256, 48), (48, 256),
+                    (1000, 1001), (4096, 112), (0, 5), (5, 0)]
+
+
+def _poison_bytes():
+    """Freed cached memory filled with 0xA5, so that an unwritten output byte reads 0xA5."""
+    torch.full((1 << 26,), 0xA5, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", FP8 + [torch.uint8])
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES)
+def test_transpose_fp8(dtype, shape):
+    """The tiled kernel's every read and write width (16 bytes, 4, 1), partial tiles, empty."""
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(dtype)
+    _poison_bytes()
+    _bytes_equal(OPS.transpose_fp8(data), emulation.transpose_fp8(data))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_transpose_fp8_misaligned_and_noncontiguous(dtype):
+    flat = torch.randint(0, 256, (130 * 96 + 5,), dtype=torch.uint8, device="cuda").view(dtype)
+    base = flat[:130 * 96].view(130, 96)
+    for data in [flat[5:].view(130, 96), base[:, 3:], base.t(), base[1:, :64]]:
+        _poison_bytes()
+        _bytes_equal(OPS.transpose_fp8(data), emulation.transpose_fp8(data))
+
+
+def test_transpose_fp8_rejects_what_it_cannot_transpose():
+    with pytest.raises(RuntimeError, match="2-D"):
+        OPS.transpose_fp8(torch.zeros(2, 3, 4, device="cuda").to(torch.float8_e4m3fn))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        OPS.transpose_fp8(torch.ones(4, 4, device="cuda", dtype=torch.bfloat16))
+
+
 MX_SHAPES = [((32,), -1), ((3, 64), -1), ((5, 7, 96), -1), ((64, 33), 0), ((2, 64, 5), 1), ((64,), 0),
              ((4, 32, 3), -2), ((0, 32), -1), ((1000, 1024), -1), ((1024, 1000), 0)]
 

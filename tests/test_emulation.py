@@ -88,6 +88,22 @@ def test_nearest_key_cases_by_hand():
     assert b[6] == 0x02  # 3*2^-10 = 1.5 * 2^-9 ties to the even 2 * 2^-9
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (130, 3), (0, 4), (64, 64)])
+def test_transpose_fp8_moves_the_bytes(dtype, shape):
+    raw = np.random.default_rng(3).integers(0, 256, shape, dtype=np.uint8)
+    got = E.transpose_fp8(torch.from_numpy(raw).view(dtype))
+    assert got.dtype == dtype and got.is_contiguous()
+    np.testing.assert_array_equal(got.view(torch.uint8).numpy(), raw.T)
+
+
+def test_transpose_fp8_rejects_what_it_cannot_transpose():
+    with pytest.raises(ValueError, match="2-D"):
+        E.transpose_fp8(torch.zeros(2, 3, 4).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="bfloat16"):
+        E.transpose_fp8(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dequantize_is_one_float32_multiply(fmt):
     x = torch.randn(1000) * 50

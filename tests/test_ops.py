@@ -28,6 +28,8 @@ def _samples():
                      (x, s, E4, True, False, 0, 0, None, torch.bfloat16)],
         "dequantize": [(_fp8((6, 64)), torch.tensor(0.5), torch.bfloat16),
                        (_fp8((3,), E5), torch.tensor(0.5), torch.float32)],
+        "transpose_fp8": [(_fp8((6, 64)),), (_fp8((130, 17), E5),),
+                          (torch.randint(0, 256, (0, 5), dtype=torch.uint8),)],
         "quantize_mx": [(x, E4, 32, 1, False), (xb, E5, 32, 1, True),
                         (torch.randn(64, 5), E4, 32, 0, False)],
         "dequantize_mx": [(_fp8((6, 64)), torch.randint(100, 140, (6, 2), dtype=torch.uint8), 32,

@@ -226,7 +226,7 @@ class FP8GatheredWeight(torch.Tensor):
                 state._weight_cache = entry._replace(consumed=True, param=weakref.ref(param))
                 state._hook_gradient(param)  # the backward that vouches for the next forward
         data = self._data.contiguous()
-        data_t = data.t().contiguous()
+        data_t = _ops.transpose_fp8(data)
         if self._kind == "tensor":
             return data, data_t, torch.reciprocal(self._scales), self._scales
         return data, self._scales.contiguous(), data_t

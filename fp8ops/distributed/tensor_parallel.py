@@ -343,7 +343,7 @@ class _FP8AllGather(torch.autograd.Function):
         values = _ops.dequantize(data, torch.reciprocal(scale), local.dtype)
         out = DTensor.from_local(values, mesh, (Replicate(),), run_check=False)
         rows = data.reshape(-1, data.shape[-1])
-        setattr(out, _GATHERED, _Gathered(rows, rows.t().contiguous(), amax, scale, recipe))
+        setattr(out, _GATHERED, _Gathered(rows, _ops.transpose_fp8(rows), amax, scale, recipe))
         ctx.placements = placements
         return out
 

@@ -441,7 +441,7 @@ def linear_blockwise(x2, weight, bias, recipe, state: Optional[ScalingState], ou
 
     def cast_weight(w, step, scale):
         data, scale_inv = _ops.quantize_blockwise(w, fwd.dtype, 128, 128, recipe.power_of_two)
-        return (data, scale_inv, data.t().contiguous()), None
+        return (data, scale_inv, _ops.transpose_fp8(data)), None
 
     w_data, w_scale_inv, w_data_t = _cast_weight(weight, state, cast_weight)
     return BlockwiseLinear.apply(x2, weight, bias, w_data, w_scale_inv, w_data_t, recipe, state,

@@ -31,6 +31,8 @@ SCHEMAS = {
                 "bool stochastic=False, int seed=0, int offset=0, Tensor? rng=None, "
                 "ScalarType? via=None) -> (Tensor, Tensor, Tensor)",
     "dequantize": "(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor",
+    # data^T, contiguous, of 2-D FP8 (or uint8) data: the dgrad copy of an already-cast weight
+    "transpose_fp8": "(Tensor data) -> Tensor",
     "quantize_mx": "(Tensor x, ScalarType dtype, int block_size, int axis, bool rceil) "
                    "-> (Tensor, Tensor)",
     "dequantize_mx": "(Tensor data, Tensor scales, int block_size, int axis, "
@@ -178,6 +180,12 @@ def _(x, scale, dtype, transpose=False, stochastic=False, seed=0, offset=0, rng=
 @torch.library.register_fake("fp8ops::dequantize")
 def _(data, scale_inv, out_dtype):
     return data.new_empty(data.shape, dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8ops::transpose_fp8")
+def _(data):
+    torch._check(data.dim() == 2, lambda: f"fp8ops: transpose_fp8: data must be 2-D, got {data.dim()}-D")
+    return data.new_empty((data.shape[1], data.shape[0]))
 
 
 @torch.library.register_fake("fp8ops::quantize_mx")

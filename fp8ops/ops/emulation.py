@@ -229,6 +229,17 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     return _fp8_to_f32(data).mul_(scale_inv.float().reshape(())).to(out_dtype).contiguous()
 
 
+_BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+
+
+def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
+    """data^T, contiguous: the bytes of a 2-D FP8 (or uint8) tensor moved, never converted."""
+    if data.dtype not in _BYTE_DTYPES or data.dim() != 2:
+        raise ValueError(f"fp8ops: transpose_fp8: data must be a 2-D float8_e4m3fn, float8_e5m2 "
+                         f"or uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+    return data.t().clone(memory_format=torch.contiguous_format)
+
+
 # ----------------------------------------------------------------------------------------------
 # MXFP8 (DESIGN.md section 5)
 # ----------------------------------------------------------------------------------------------
