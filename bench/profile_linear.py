@@ -4,14 +4,20 @@ spends its host time (allocations, launches, the ops' own C++, the backward's Py
 
 Per variant: "host" is the time to enqueue 50 steps without a sync (the host's cost of a step
 while the GPU keeps up), "wall" the same with the closing sync. Then a torch.profiler table of 5
-FP8 steps, sorted by self CPU time. A diagnosis, not a ratio claim.
+FP8 steps, sorted by self CPU time. Then (--ops) the host cost of each op of the step called
+alone on tiny operands (the GPU never limits it), and (--python) the Python functions the FP8
+step spends its host time in (cProfile). A diagnosis, not a ratio claim.
 
     python bench/profile_linear.py [--shapes 1024x4096x4096,4096x4096x1280] [--rows 25]
+    python bench/profile_linear.py --ops --python [--shapes none]
     python bench/profile_linear.py --device cpu --smoke   # runs end to end; measures nothing
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -70,23 +76,113 @@ def profile_shape(m, k, n, device, rows, steps=50):
     return lines
 
 
+def _host_us(fn, device, calls: int) -> float:
+    """Host time per call of fn, enqueued `calls` times without a sync (after a warm-up)."""
+    for _ in range(5):
+        fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls
+    _sync(device)
+    return host * 1e6
+
+
+def op_costs(device, calls=300):
+    """Host microseconds per call of each op an FP8 step makes, on operands small enough that
+    the GPU never makes the host wait; torch's own calls beside them for scale."""
+    ops, e4m3, e5m2, bf16 = torch.ops.fp8ops, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    m = k = n = 256
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device, bf16)
+    w = torch.randn(n, k, generator=g).to(device, bf16)
+    one = torch.ones((), device=device)
+    xq, xq_t, _ = ops.quantize(x, one, e4m3, True)
+    wq, wq_t, _ = ops.quantize(w, one, e4m3, True)
+    gq = ops.quantize(x, one, e5m2, False)[0]
+    st = fp8ops.ScalingState(fp8ops.DelayedScaling(), device=device)
+    r = st.input
+    rec = fp8ops.DelayedScaling()
+
+    def delayed(update, record):
+        return lambda: ops.quantize_delayed(
+            x, r.amax_history, r.scale, r.scale_inv, r.amax_rep, r.pending_amax, r.step,
+            r.nonfinite_count, e4m3, 1.0, rec.interval, rec.amax_compute_algo, rec.ema_alpha,
+            rec.percentile, False, update, False, record, True, None, False, 0, 0, None)
+
+    cases = {
+        "torch.empty (256x256 bf16)": lambda: torch.empty(m, k, device=device, dtype=bf16),
+        "torch.mm bf16": lambda: torch.mm(x, w.t()),
+        "torch.abs().max() (an amax in torch)": lambda: x.abs().max(),
+        "fp8ops amax": lambda: ops.amax(x),
+        "fp8ops quantize (scale given, transpose)": lambda: ops.quantize(x, one, e4m3, True),
+        "fp8ops quantize_current (transpose)": lambda: ops.quantize_current(
+            x, e4m3, 1.0, False, True, None, False, 0, 0, None),
+        "fp8ops quantize_delayed (record)": delayed(False, True),
+        "fp8ops quantize_delayed (update, record)": delayed(True, True),
+        "fp8ops transpose_fp8": lambda: ops.transpose_fp8(xq),
+        "fp8ops gemm fast accumulation (forward)": lambda: ops.gemm(xq, wq, one, one, None, bf16,
+                                                                    True),
+        "fp8ops gemm promoted (dgrad, wgrad)": lambda: ops.gemm(gq, wq_t, one, one, None, bf16,
+                                                                False),
+        "torch._scaled_mm": lambda: torch._scaled_mm(xq, wq.t(), one, one, out_dtype=bf16),
+    }
+    lines = [f"== host us per call, {m}x{k} operands ({calls} calls, no sync between)"]
+    for name, fn in cases.items():
+        lines.append(f"   {name:<48} {_host_us(fn, device, calls):8.1f}")
+    return lines
+
+
+def python_profile(device, recipe: str, rows: int, steps=200):
+    """cProfile of `steps` FP8 steps on a tiny layer: the Python around the ops."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(256, 256, bias=False, recipe=RECIPES[recipe](), fallback="never",
+                             device=device, dtype=torch.bfloat16)
+    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    step = _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
+    for _ in range(10):
+        step()
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    _sync(device)
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    out.write(f"== cProfile {recipe}: fp8ops's own functions, by cumulative time\n")
+    stats.sort_stats("cumtime").print_stats("fp8ops", rows)
+    return [f"== cProfile {recipe}, {steps} steps of 256x256x256, by own time", out.getvalue()]
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1024x4096x4096,4096x4096x1280", help="MxKxN,...")
     ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: checks it runs")
+    ap.add_argument("--ops", action="store_true", help="host cost of each op called alone")
+    ap.add_argument("--python", action="store_true", help="cProfile of the FP8 steps' Python")
     args = ap.parse_args(argv)
     if args.device == "cpu" and not args.smoke:
         ap.error("--device cpu only with --smoke: CPU timings say nothing about the GPU path")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA GPU visible")
-    shapes = ["64x128x96"] if args.smoke else args.shapes.split(",")
+    shapes = ["64x128x96"] if args.smoke else [s for s in args.shapes.split(",") if s != "none"]
+    device = torch.device(args.device)
     lines = []
     for shape in shapes:
         m, k, n = (int(v) for v in shape.split("x"))
-        lines += profile_shape(m, k, n, torch.device(args.device), args.rows,
-                               steps=3 if args.smoke else 50)
+        lines += profile_shape(m, k, n, device, args.rows, steps=3 if args.smoke else 50)
+    if args.ops:
+        lines += op_costs(device, calls=3 if args.smoke else 300)
+    if args.python:
+        for recipe in RECIPES:
+            lines += python_profile(device, recipe, args.rows, steps=3 if args.smoke else 200)
     text = "\n".join(lines)
     print(text)
     return text

@@ -73,7 +73,7 @@ if want bench; then
   rc=$?; tail -16 "$OUT/bench_linear_graph.log"; record $rc bench_linear_graph
 
   section "bench/profile_linear.py (host time of one layer step, FP8 and bf16; where it goes)"
-  timeout 300 python3 bench/profile_linear.py > "$OUT/profile_linear.log" 2>&1
+  timeout 300 python3 bench/profile_linear.py --ops --python > "$OUT/profile_linear.log" 2>&1
   rc=$?; grep "^== " "$OUT/profile_linear.log"; record $rc profile_linear
 
   section "bench/bench_block.py (Llama-3-8B block, seq 8192: every recipe vs bf16, eager and CUDA-graphed)"

@@ -27,3 +27,14 @@ def test_smoke_profiles_every_variant():
 def test_cpu_without_smoke_is_refused():
     proc = _run("--device", "cpu")
     assert proc.returncode != 0 and "only with --smoke" in proc.stderr
+
+
+def test_smoke_op_costs_and_python_profile():
+    proc = _run("--device", "cpu", "--smoke", "--ops", "--python", "--rows", "10")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== host us per call" in proc.stdout
+    for name in ("torch.mm bf16", "fp8ops quantize_current (transpose)",
+                 "fp8ops quantize_delayed (update, record)", "fp8ops gemm promoted"):
+        assert name in proc.stdout, proc.stdout
+    for recipe in ("current", "delayed"):
+        assert f"== cProfile {recipe}: fp8ops's own functions" in proc.stdout, proc.stdout
