@@ -729,6 +729,8 @@ at::Tensor scalar_f32(const at::Tensor& s, const at::Tensor& like, const char* n
   check_cuda(s, name);
   FP8OPS_CHECK(s.device() == like.device(), "fp8ops: ", name, " must be on ", like.device().str());
   FP8OPS_CHECK(s.numel() == 1, "fp8ops: ", name, " must hold one element, got shape ", shape_str(s));
+  // a 0-dim float32 scale (what the casts return) as it is: no view per call (host time)
+  if (s.scalar_type() == at::kFloat && s.dim() == 0) return s;
   return s.to(at::kFloat).reshape({}).contiguous();
 }
 
@@ -787,7 +789,9 @@ struct PaddedOut {
   }
 };
 
+// A GEMM's workspace (none allocated for 0 bytes: the usual case, and an allocation per call).
 at::Tensor workspace(size_t bytes, const at::Tensor& like) {
+  if (bytes == 0) return at::Tensor();
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 

@@ -218,6 +218,12 @@ class RoleState(nn.Module):
     # the 1-D DeviceMesh this role's tensor is sharded over (tensor parallelism), or None
     shard_mesh = None
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "started":  # set by every live forward: a plain bool (as ScalingState._PLAIN)
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     def __init__(self, history_len: int, device=None):
         super().__init__()
         f32 = dict(dtype=torch.float32, device=device)
@@ -520,18 +526,28 @@ class ScalingState(nn.Module):
                 # that calls it: without this, the next forward's hook would never run
                 tensor._post_accumulate_grad_hooks = None
 
-    # Plain attributes a layer's forward updates on every call, set without nn.Module's
-    # __setattr__ (its checks for parameters, buffers and submodules cost more than the update)
+    # Plain attributes a layer's forward or backward sets on every call: straight into
+    # __dict__, without nn.Module.__setattr__'s checks for parameters, buffers and submodules
+    # (they cost more than the update; none of these names is ever one of those)
+    _PLAIN = frozenset({"recording", "high_precision_calls", "_gathered_shard", "_weight_cache",
+                        "_stream", "_watched", "_hooked"})
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ScalingState._PLAIN:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     def set_recording(self, on: bool) -> None:
-        self.__dict__["recording"] = on
+        self.recording = on
 
     def count_high_precision_call(self) -> None:
-        self.__dict__["high_precision_calls"] += 1
+        self.high_precision_calls += 1
 
     def release_gathered_shard(self) -> None:
         """Drop the FP8 shard bytes a forward's FSDP2 gather kept for its backward's re-gather
         (distributed/fsdp.py): the backward has them, or never re-gathers."""
-        self.__dict__["_gathered_shard"] = None
+        self._gathered_shard = None
 
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)
@@ -540,18 +556,22 @@ class ScalingState(nn.Module):
         out while the new stream still reads it. CUDA only; nothing under torch.compile.
 
         Under CUDA-graph capture a wait on a stream outside the capture is an error: there the
-        capture's caller orders the streams (torch.cuda.graph synchronizes the device first)."""
+        capture's caller orders the streams (torch.cuda.graph synchronizes the device first).
+        (Runs twice per layer step: the same stream as last time costs one raw lookup.)"""
         if device.type != "cuda" or torch.compiler.is_compiling():
             return
+        key = _stream_key(device)
+        last = self._stream  # (key, torch.cuda.Stream) of the last use
+        if last is not None and last[0] == key:
+            return
         stream = torch.cuda.current_stream(device)
-        last = self._stream
-        if last is not None and last != stream and not _outside_capture(last, stream):
-            stream.wait_stream(last)
+        if last is not None and not _outside_capture(last[1], stream):
+            stream.wait_stream(last[1])
             entry = self._weight_cache
             for t in tree_leaves(None if entry is None else entry.payload):
                 if isinstance(t, torch.Tensor):
                     t.record_stream(stream)
-        self._stream = stream
+        self._stream = (key, stream)
 
     def _hook_gradient(self, param: torch.Tensor) -> None:
         """Let param's gradient vouch for the cast once backward has accumulated it."""
@@ -693,6 +713,13 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _stream_key(device: torch.device):
+    """The current stream on a CUDA device as torch's raw (id, device, type) triple: a cheap
+    identity (torch.cuda.current_stream builds a Stream object per call)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentStream(index)
 
 
 def _capturing(weight: torch.Tensor) -> bool:

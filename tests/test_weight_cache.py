@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fp8ops
+from fp8ops import scaling
 
 RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(amax_history_len=4),
            fp8ops.CurrentScaling(grad_rounding="stochastic"), fp8ops.MXFP8Scaling(),
@@ -260,6 +261,7 @@ def test_follow_stream_orders_a_state_after_its_last_stream(monkeypatch):
     current = {"s": _FakeStream("a")}
     recorded = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
+    monkeypatch.setattr(scaling, "_stream_key", lambda device: current["s"].name)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current["s"].capturing)
 
     @contextlib.contextmanager

@@ -149,10 +149,10 @@ def first_order_only(backward):
     term, even when the incoming gradient is a constant (once_differentiable lets that through)."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():  # no create_graph (autograd's backward runs so)
+            return backward(ctx, *grads)
         with torch.no_grad():
             outs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():  # no create_graph: nothing will differentiate these
-            return outs
         err = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, len(outs))
         return err(*[o.detach().requires_grad_() if isinstance(o, torch.Tensor) else o
                      for o in outs])
@@ -245,11 +245,23 @@ def is_gathered(weight: torch.Tensor) -> bool:
     return hasattr(weight, "fp8_payload")
 
 
-@torch.no_grad()
 def _cast_weight(weight, state: Optional[ScalingState], cast, live: bool = False):
     """The FP8 weight: cast once per accumulation window when there is a state, else every
     call. cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast. A weight FSDP2
-    gathered in FP8 (distributed/fsdp.py) carries its payload: nothing to cast."""
+    gathered in FP8 (distributed/fsdp.py) carries its payload: nothing to cast. Runs without
+    grad (set directly in eager mode: torch.no_grad() costs a context object per call)."""
+    if torch.compiler.is_compiling():
+        with torch.no_grad():
+            return _cast_weight_no_grad(weight, state, cast, live)
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return _cast_weight_no_grad(weight, state, cast, live)
+    finally:
+        torch._C._set_grad_enabled(enabled)
+
+
+def _cast_weight_no_grad(weight, state: Optional[ScalingState], cast, live: bool):
     if is_gathered(weight):
         payload = weight.fp8_payload(state, live)
         if payload is None:  # cast for another kind of forward
