@@ -12,7 +12,9 @@ measurable without a GPU. Two kinds of step, on a bf16 layer:
     python bench/op_count.py --fsdp     # one FSDP2 step (one gloo process): FP8 vs bf16 gather
 
 Counted with a TorchDispatchMode: each call reaching the dispatcher once (an fp8ops op is one
-call, whatever its kernel does inside). "launches" leaves out the calls that only make views or
+call, whatever its kernel does inside). "python calls" counts the Python functions the step
+enters (sys.setprofile), torch's own included, leaving out the op kernels' (on a GPU they are
+C++): the host's interpreter work, which the dispatcher count does not see. "launches" leaves out the calls that only make views or
 metadata (no kernel on a GPU); "host syncs" are device-to-host reads (.item(), a tensor used as a
 Python bool); "activation copies" are copies or pads of a tensor as large as the input or the
 output gradient (for aligned shapes there should be none)."""
@@ -69,6 +71,34 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+_OP_KERNELS = os.path.join("fp8ops", "ops", "")
+
+
+def python_calls(fn) -> int:
+    """Python function calls fn makes, not counting those inside fp8ops' op kernels (the
+    emulation: C++ on a GPU) or below them."""
+    count = skip = 0
+
+    def profile(frame, event, arg):
+        nonlocal count, skip
+        if event == "call":
+            if skip:
+                skip += 1
+            elif _OP_KERNELS in frame.f_code.co_filename:
+                skip = 1
+            else:
+                count += 1
+        elif event == "return" and skip:
+            skip -= 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
 @contextmanager
 def _device_path():
     """The emulation's Python takes the branch a GPU tensor takes (no host fast path)."""
@@ -100,6 +130,10 @@ def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,
         grads = [t.grad for t in (x, *layer.parameters()) if t.grad is not None]
         with _Counter(large=min(m * k, m * n), grads=grads) as counter:
             layer(x).backward(dy)
+        if not accumulate:  # the same kind of step again, its Python counted
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+        py_calls = python_calls(lambda: layer(x).backward(dy))
     calls = counter.calls
     return {
         "calls": sum(calls.values()),
@@ -107,6 +141,7 @@ def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,
         "host_syncs": sum(c for f, c in calls.items() if f in HOST_SYNC),
         "activation_copies": counter.activation_copies,
         "accumulations": counter.accumulations,
+        "python_calls": py_calls,
         "by_op": {str(f): c for f, c in calls.most_common()},
     }
 
@@ -182,11 +217,12 @@ def main() -> None:
     for step in STEPS:
         rows = table(step)
         print(f"\n## {step} micro-batch\n")
-        print("| layer | calls | launches | accumulations | host syncs | activation copies |")
-        print("|---|---|---|---|---|---|")
+        print("| layer | calls | launches | accumulations | host syncs | activation copies | "
+              "python calls |")
+        print("|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             print(f"| {name} | {r['calls']} | {r['launches']} | {r['accumulations']} | "
-                  f"{r['host_syncs']} | {r['activation_copies']} |")
+                  f"{r['host_syncs']} | {r['activation_copies']} | {r['python_calls']} |")
         for name, r in rows.items():
             print(f"\n{name}: " + ", ".join(f"{op} x{c}" for op, c in r["by_op"].items()))
 

@@ -463,8 +463,9 @@ class ScalingState(nn.Module):
             trust = max(trust, weight_cache.BACKWARD)  # FSDP2: values change with the source
         else:
             source = None
-        self._weight_cache, payload = weight_cache.lookup(
+        entry, payload = weight_cache.lookup(
             self._weight_cache, weight, cast, live, self.weight_generation, trust, source)
+        self.__dict__["_weight_cache"] = entry  # (_PLAIN: no __setattr__ call on this path)
         param = weight_cache.leaf(weight)
         # the steps of an optimizer over what this cast reads end it
         target = param if self.host_weight is None else self.host_weight.master
@@ -539,7 +540,7 @@ class ScalingState(nn.Module):
             super().__setattr__(name, value)
 
     def set_recording(self, on: bool) -> None:
-        self.recording = on
+        self.__dict__["recording"] = on
 
     def count_high_precision_call(self) -> None:
         self.high_precision_calls += 1
@@ -547,7 +548,7 @@ class ScalingState(nn.Module):
     def release_gathered_shard(self) -> None:
         """Drop the FP8 shard bytes a forward's FSDP2 gather kept for its backward's re-gather
         (distributed/fsdp.py): the backward has them, or never re-gathers."""
-        self._gathered_shard = None
+        self.__dict__["_gathered_shard"] = None
 
     def follow_stream(self, device: torch.device) -> None:
         """Order this state's device work (role buffers updated in place, the cached weight)
@@ -586,7 +587,7 @@ class ScalingState(nn.Module):
         def accumulated(p):
             state = me()
             if state is not None:
-                state._weight_cache = weight_cache.accumulated(state._weight_cache, p)
+                state.__dict__["_weight_cache"] = weight_cache.accumulated(state._weight_cache, p)
 
         self._hooked = (weakref.ref(param), param.register_post_accumulate_grad_hook(accumulated))
 

@@ -121,9 +121,10 @@ def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False
             outs = _ops.quantize_current(x, fmt.dtype, margin, recipe.power_of_two, True,
                                          sum_dtype, stochastic, 0, 0, rng)
         else:
+            b = role._buffers  # (seven module attribute lookups each cost a Python call)
             outs = _ops.quantize_delayed(
-                x, role.amax_history, role.scale, role.scale_inv, role.amax_rep,
-                role.pending_amax, role.step, role.nonfinite_count, fmt.dtype, margin,
+                x, b["amax_history"], b["scale"], b["scale_inv"], b["amax_rep"],
+                b["pending_amax"], b["step"], b["nonfinite_count"], fmt.dtype, margin,
                 recipe.interval, recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile,
                 recipe.power_of_two, update, warm, record, True, sum_dtype, stochastic, 0, 0,
                 rng)
