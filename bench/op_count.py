@@ -12,12 +12,13 @@ measurable without a GPU. Two kinds of step, on a bf16 layer:
     python bench/op_count.py --fsdp     # one FSDP2 step (one gloo process): FP8 vs bf16 gather
 
 Counted with a TorchDispatchMode: each call reaching the dispatcher once (an fp8ops op is one
-call, whatever its kernel does inside). "python calls" counts the Python functions the step
-enters (sys.setprofile), torch's own included, leaving out the op kernels' (on a GPU they are
-C++): the host's interpreter work, which the dispatcher count does not see. "launches" leaves out the calls that only make views or
+call, whatever its kernel does inside). "launches" leaves out the calls that only make views or
 metadata (no kernel on a GPU); "host syncs" are device-to-host reads (.item(), a tensor used as a
 Python bool); "activation copies" are copies or pads of a tensor as large as the input or the
-output gradient (for aligned shapes there should be none)."""
+output gradient (for aligned shapes there should be none). "python calls" counts the Python
+functions the step enters (sys.setprofile), torch's own included, leaving out the op kernels'
+(on a GPU they are C++): the interpreter's share of the host time, which the dispatcher count
+does not see."""
 from __future__ import annotations
 
 import os

@@ -6,8 +6,8 @@ and a later one (the weight's cast reused). nn.Linear makes 4 kernel-launching c
 Transformer Engine about 5. The goal, DESIGN.md's step: <= 6 for the per-tensor recipes and <= 8
 for the block recipes with the weight cached; every recipe makes 5 (one call per cast, the scale
 math and the bias gradient inside it; three GEMMs). BUDGET holds today's counts as a ratchet: a
-change that adds a launch fails here, one that removes launches lowers the budget with it. Host syncs and
-activation copies are held at zero. (The additions autograd makes into existing .grad tensors are
+change that adds a launch fails here, one that removes launches lowers the budget with it. Host
+syncs and activation copies are held at zero. (The additions autograd makes into existing .grad tensors are
 counted apart: nn.Linear pays them too.)
 
 PYTHON_BUDGET holds the Python function calls of the same steps (torch's own included, the op
