@@ -41,6 +41,20 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _timed(fn, device, calls: int, warmup: int):
+    """(host, wall) seconds per call of fn, enqueued `calls` times without a sync after a
+    warm-up: host before the closing sync, wall after it."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls
+    _sync(device)
+    return host, (time.perf_counter() - t) / calls
+
+
 def profile_shape(m, k, n, device, rows, steps=50):
     lines = []
     for name in ["bf16", *RECIPES]:
@@ -53,15 +67,7 @@ def profile_shape(m, k, n, device, rows, steps=50):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         step = _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
-        for _ in range(10):
-            step()
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        host = (time.perf_counter() - t) / steps
-        _sync(device)
-        wall = (time.perf_counter() - t) / steps
+        host, wall = _timed(step, device, steps, warmup=10)
         lines.append(f"== {name} M={m} K={k} N={n}: host {host * 1e6:.0f} us/step, "
                      f"wall {wall * 1e6:.0f} us/step")
         if name != "bf16":
@@ -76,17 +82,6 @@ def profile_shape(m, k, n, device, rows, steps=50):
     return lines
 
 
-def _host_us(fn, device, calls: int) -> float:
-    """Host time per call of fn, enqueued `calls` times without a sync (after a warm-up)."""
-    for _ in range(5):
-        fn()
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t) / calls
-    _sync(device)
-    return host * 1e6
 
 
 def op_costs(device, calls=300):
@@ -130,7 +125,7 @@ def op_costs(device, calls=300):
     }
     lines = [f"== host us per call, {m}x{k} operands ({calls} calls, no sync between)"]
     for name, fn in cases.items():
-        lines.append(f"   {name:<48} {_host_us(fn, device, calls):8.1f}")
+        lines.append(f"   {name:<48} {_timed(fn, device, calls, warmup=5)[0] * 1e6:8.1f}")
     return lines
 
 

@@ -219,7 +219,7 @@ class RoleState(nn.Module):
     shard_mesh = None
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "started":  # set by every live forward: a plain bool (as ScalingState._PLAIN)
+        if name == "started":  # set by every live forward: a plain bool, without Module's checks
             self.__dict__[name] = value
         else:
             super().__setattr__(name, value)
@@ -465,7 +465,7 @@ class ScalingState(nn.Module):
             source = None
         entry, payload = weight_cache.lookup(
             self._weight_cache, weight, cast, live, self.weight_generation, trust, source)
-        self.__dict__["_weight_cache"] = entry  # (_PLAIN: no __setattr__ call on this path)
+        self.__dict__["_weight_cache"] = entry  # (a plain attribute: see set_recording)
         param = weight_cache.leaf(weight)
         # the steps of an optimizer over what this cast reads end it
         target = param if self.host_weight is None else self.host_weight.master
@@ -527,23 +527,14 @@ class ScalingState(nn.Module):
                 # that calls it: without this, the next forward's hook would never run
                 tensor._post_accumulate_grad_hooks = None
 
-    # Plain attributes a layer's forward or backward sets on every call: straight into
-    # __dict__, without nn.Module.__setattr__'s checks for parameters, buffers and submodules
-    # (they cost more than the update; none of these names is ever one of those)
-    _PLAIN = frozenset({"recording", "high_precision_calls", "_gathered_shard", "_weight_cache",
-                        "_stream", "_watched", "_hooked"})
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in ScalingState._PLAIN:
-            self.__dict__[name] = value
-        else:
-            super().__setattr__(name, value)
-
+    # Plain attributes a layer's forward or backward sets on every call are written straight
+    # into __dict__ here and in cached_weight: nn.Module.__setattr__'s checks for parameters,
+    # buffers and submodules cost more than the update (none of these names is ever one of them)
     def set_recording(self, on: bool) -> None:
         self.__dict__["recording"] = on
 
     def count_high_precision_call(self) -> None:
-        self.high_precision_calls += 1
+        self.__dict__["high_precision_calls"] += 1
 
     def release_gathered_shard(self) -> None:
         """Drop the FP8 shard bytes a forward's FSDP2 gather kept for its backward's re-gather
