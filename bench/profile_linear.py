@@ -82,8 +82,6 @@ def profile_shape(m, k, n, device, rows, steps=50):
     return lines
 
 
-
-
 def op_costs(device, calls=300):
     """Host microseconds per call of each op an FP8 step makes, on operands small enough that
     the GPU never makes the host wait; torch's own calls beside them for scale."""
