@@ -7,8 +7,8 @@ Transformer Engine about 5. The goal, DESIGN.md's step: <= 6 for the per-tensor 
 for the block recipes with the weight cached; every recipe makes 5 (one call per cast, the scale
 math and the bias gradient inside it; three GEMMs). BUDGET holds today's counts as a ratchet: a
 change that adds a launch fails here, one that removes launches lowers the budget with it. Host
-syncs and activation copies are held at zero. (The additions autograd makes into existing .grad tensors are
-counted apart: nn.Linear pays them too.)
+syncs and activation copies are held at zero. (The additions autograd makes into existing .grad
+tensors are counted apart: nn.Linear pays them too.)
 
 PYTHON_BUDGET holds the Python function calls of the same steps (torch's own included, the op
 kernels' left out: C++ on a GPU), where a GPU step's host time also goes: nn.Linear's forward and
