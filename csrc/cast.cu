@@ -1,6 +1,6 @@
 // Per-tensor cast kernels: amax, quantize (nearest / stochastic) with amax in the same pass,
 // the fused quantize + transpose + amax, and dequantize. Numerics: DESIGN.md sections 3-4.
-#include "common.cuh"
+#include "byte_tile.cuh"
 
 namespace fp8ops {
 namespace {
@@ -153,55 +153,48 @@ __global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
 }
 
 // ---- quantize + transpose -----------------------------------------------------------------------
-// One 64x64 tile of the [rows, cols] view per block: coalesced row reads and row-wise writes, the
-// bytes staged in shared memory, then coalesced 4-byte writes along rows of data_t [cols, rows].
-constexpr int kTile = 64;
-
+// One 128x128 tile of the [rows, cols] view per block: coalesced row reads, a batch of them issued
+// before the first is used; the row-wise bytes written as read and staged in shared memory; then
+// the transposed rows of data_t [cols, rows].
 template <typename T, Fp8 F, bool kStoch, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool vec_t) {
+__global__ void __launch_bounds__(kByteTileThreads, 3)
+quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool words_t) {
   constexpr int N = kVec ? 16 / sizeof(T) : 1;
-  constexpr int kThreadsPerRow = kTile / N;
-  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
-  __shared__ alignas(16) uint8_t tile[kTile][kTile + 4];  // +4: fewer bank conflicts reading columns
+  constexpr int kPerRow = kByteTile / N;  // threads along a tile row
+  constexpr int kRowsPerPass = kByteTileThreads / kPerRow, kPasses = kByteTile / kRowsPerPass;
+  constexpr int kBatch = kPasses < 4 ? kPasses : 4;  // reads in flight per thread
+  __shared__ alignas(16) ByteTile tile;
 
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const int64_t cols = p.cols;
-  const int64_t r0 = (blockIdx.x / tiles_c) * kTile, c0 = (blockIdx.x % tiles_c) * kTile;
   const float s = cast_scale_of(p);
   RandomWords rw(stream_seed(p), stream_offset(p));
   unsigned m = 0;
+  const int tc = (threadIdx.x % kPerRow) * N, tr = threadIdx.x / kPerRow;
 
-  const int tc = (threadIdx.x % kThreadsPerRow) * N;
-  for (int r = threadIdx.x / kThreadsPerRow; r < kTile; r += kRowsPerPass) {
-    const int64_t gr = r0 + r, gc = c0 + tc;
-    if (gr >= rows || gc >= cols) continue;  // with kVec, cols % N == 0: whole vector in range
-    const int64_t i = gr * cols + gc;
-    Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + i);
-    Pack<uint8_t, N> q = quant_pack<T, F, kStoch, N>(a, s, p.via, rw, i, m);
-    *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = q;
-    if constexpr (N >= 4) {
+  const int64_t r0 = (blockIdx.x / tiles_c) * kByteTile, c0 = (blockIdx.x % tiles_c) * kByteTile;
+  const int64_t gc = c0 + tc;
+#pragma unroll 1
+  for (int b = 0; b < kPasses; b += kBatch) {
+    Pack<T, N> a[kBatch];
 #pragma unroll
-      for (int k = 0; k < N; k += 4)
-        *reinterpret_cast<uint32_t*>(&tile[r][tc + k]) = *reinterpret_cast<const uint32_t*>(&q.v[k]);
-    } else {
-      tile[r][tc] = q.v[0];
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t gr = r0 + tr + (b + k) * kRowsPerPass;
+      // with kVec, cols % N == 0: a vector is wholly in range or wholly out
+      if (gr < rows && gc < cols) a[k] = *reinterpret_cast<const Pack<T, N>*>(x + gr * cols + gc);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = tr + (b + k) * kRowsPerPass;
+      const int64_t i = (r0 + r) * cols + gc;
+      if (r0 + r >= rows || gc >= cols) continue;
+      const Pack<uint8_t, N> q = quant_pack<T, F, kStoch, N>(a[k], s, p.via, rw, i, m);
+      *reinterpret_cast<Pack<uint8_t, N>*>(p.data + i) = q;
+      *reinterpret_cast<Pack<uint8_t, N>*>(tile.at(r, tc)) = q;
     }
   }
   __syncthreads();
-
-  const int tr = (threadIdx.x % (kTile / 4)) * 4;  // 4 consecutive rows of the tile per thread
-  for (int c = threadIdx.x / (kTile / 4); c < kTile; c += kThreads / (kTile / 4)) {
-    const int64_t gc = c0 + c, gr = r0 + tr;
-    if (gc >= cols || gr >= rows) continue;
-    uint8_t* dst = p.data_t + gc * rows + gr;
-    if (vec_t && gr + 4 <= rows) {
-      *reinterpret_cast<uint32_t*>(dst) = uint32_t(tile[tr][c]) | uint32_t(tile[tr + 1][c]) << 8 |
-                                          uint32_t(tile[tr + 2][c]) << 16 | uint32_t(tile[tr + 3][c]) << 24;
-    } else {
-      for (int k = 0; k < 4 && gr + k < rows; ++k) dst[k] = tile[tr + k][c];
-    }
-  }
+  store_byte_tile_transposed(tile, p.data_t, rows, cols, r0, c0, words_t);
 
   m = block_max(m);
   if (threadIdx.x == 0) finish_amax(p, m);
@@ -263,13 +256,13 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
     dispatch_fp8(p.out_dtype, [&](auto fmt) {
       constexpr Fp8 F = decltype(fmt)::value;
       if (p.data_t) {
-        const int64_t rows = p.n / p.cols, tiles_c = (p.cols + kTile - 1) / kTile;
-        const int64_t tiles = (rows + kTile - 1) / kTile * tiles_c;
-        if (tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize: tensor too large");
+        const int64_t rows = p.n / p.cols, tiles_c = (p.cols + kByteTile - 1) / kByteTile;
+        const int64_t tiles = (rows + kByteTile - 1) / kByteTile * tiles_c;
         const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
-        const bool vec_t = aligned(p.data_t, 4) && rows % 4 == 0;
+        const bool words_t = byte_tile_word_stores(p.data_t, rows);
+        if (tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize: tensor too large");
         auto go = [&](auto kernel) {
-          launch_kernel(kernel, unsigned(tiles), kThreads, stream, p, rows, tiles_c, vec_t);
+          launch_kernel(kernel, unsigned(tiles), kByteTileThreads, stream, p, rows, tiles_c, words_t);
         };
         if (p.stochastic)
           vec ? go(quantize_transpose_kernel<T, F, true, true>) : go(quantize_transpose_kernel<T, F, true, false>);

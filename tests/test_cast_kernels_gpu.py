@@ -23,7 +23,7 @@ def _need_kernels():
 OPS = torch.ops.fp8ops
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 INPUTS = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = [(1,), (7,), (33,), (1000,), (31, 33), (4, 7, 9), (1000, 1001), (64, 128), (3, 64, 256), (0,),
+SHAPES = [(1,), (7,), (33,), (1000,), (31, 33), (4, 7, 9), (1000, 1001), (64, 128), (3, 64, 256), (300, 520), (0,),
           (0, 7), (2, 3, 17)]
 MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
