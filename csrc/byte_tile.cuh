@@ -10,13 +10,38 @@ namespace fp8ops {
 constexpr int kByteTile = 128;
 constexpr int kByteTileThreads = 256;  // 8 warps: 16 tile columns each, a lane for every 4 rows
 
+// Where byte (r, c) lives: chunk c / 16 of row r is stored as chunk (c / 16) ^ (r / 4 % 8) of the
+// row, so the n <= 16 bytes from c (c % n == 0) stay contiguous.
+__host__ __device__ __forceinline__ int byte_tile_offset(int r, int c) {
+  return r * kByteTile + ((((c >> 4) ^ (r >> 2)) & 7) << 4) + (c & 15);
+}
+
 struct alignas(16) ByteTile {
   uint8_t b[kByteTile * kByteTile];
-  // Byte (r, c); the n <= 16 bytes from c, c % n == 0, are contiguous (one chunk).
-  __device__ __forceinline__ uint8_t* at(int r, int c) {
-    return b + r * kByteTile + ((((c >> 4) ^ (r >> 2)) & 7) << 4) + (c & 15);
-  }
+  __device__ __forceinline__ uint8_t* at(int r, int c) { return b + byte_tile_offset(r, c); }
 };
+
+// __byte_perm (selectors 0-7 only), also on the host.
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = uint64_t(y) << 32 | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= uint32_t(v >> (8 * ((s >> (4 * n)) & 7)) & 0xffu) << (8 * n);
+  return r;
+#endif
+}
+
+// A 4x4 byte transpose: byte k of out[i] is byte i of in[k].
+__host__ __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t in[4], uint32_t out[4]) {
+  const uint32_t lo01 = byte_perm(in[0], in[1], 0x5140), hi01 = byte_perm(in[0], in[1], 0x7362);
+  const uint32_t lo23 = byte_perm(in[2], in[3], 0x5140), hi23 = byte_perm(in[2], in[3], 0x7362);
+  out[0] = byte_perm(lo01, lo23, 0x5410);
+  out[1] = byte_perm(lo01, lo23, 0x7632);
+  out[2] = byte_perm(hi01, hi23, 0x5410);
+  out[3] = byte_perm(hi01, hi23, 0x7632);
+}
 
 // Whether the transposed stores may be 4-byte words: out holds rows of `rows` bytes.
 inline bool byte_tile_word_stores(const void* out, int64_t rows) { return aligned(out, 4) && rows % 4 == 0; }
@@ -35,10 +60,9 @@ __device__ __forceinline__ void store_byte_tile_transposed(ByteTile& tile, uint8
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     auto word = [&](int q) { return m == 0 ? a[q].x : m == 1 ? a[q].y : m == 2 ? a[q].z : a[q].w; };
-    const uint32_t lo01 = __byte_perm(word(0), word(1), 0x5140), hi01 = __byte_perm(word(0), word(1), 0x7362);
-    const uint32_t lo23 = __byte_perm(word(2), word(3), 0x5140), hi23 = __byte_perm(word(2), word(3), 0x7362);
-    const uint32_t w[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                           __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+    const uint32_t in[4] = {word(0), word(1), word(2), word(3)};
+    uint32_t w[4];
+    transpose_4x4_bytes(in, w);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // w[i]: rows 4 lane .. + 3 of column 16 warp + 4m + i
       const int64_t gc = c0 + 16 * warp + 4 * m + i;

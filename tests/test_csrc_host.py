@@ -363,3 +363,35 @@ def test_blockwise_pair_plan_covers_every_tile_and_fits_shared_memory(host_check
         assert (int(tr), int(tc)) == (-(-rows // 128), -(-cols // 128)), (rows, cols)
         # a 128x128 tile of x and its 128x128 transposed bytes, within what a block may have
         assert 128 * 128 * (elem_bytes + 1) <= int(smem) <= SM89_MAX_SMEM, smem
+
+
+# ---- the byte tile of the quantize + transpose cast (csrc/byte_tile.cuh) ---------------------------
+def test_byte_tile_layout_is_a_swizzle_without_bank_conflicts(host_check):
+    rc = [(r, c) for r in range(128) for c in range(128)]
+    off = np.array([int(o[0]) for o in host_check("tileoff", [], [f"{r} {c}" for r, c in rc])]).reshape(128, 128)
+    assert sorted(off.reshape(-1).tolist()) == list(range(128 * 128))  # every byte has its own place
+    assert (off // 128 == np.arange(128)[:, None]).all()  # a row stays in its 128 bytes
+    chunks = off.reshape(128, 8, 16)
+    assert (chunks - chunks[:, :, :1] == np.arange(16)).all()  # 16-byte chunks stay contiguous, aligned
+    assert (chunks[:, :, 0] % 16 == 0).all()
+    bank = (off // 4) % 32
+    # the column reads: warp w, quarter-warp of lanes l .. l + 7, each 16 bytes of row 4 lane + q
+    # from column 16 w: 8 loads of 4 banks each must cover all 32 banks
+    for w in range(8):
+        for q in range(4):
+            for first in range(0, 32, 8):
+                rows = [4 * lane + q for lane in range(first, first + 8)]
+                banks = {int(bank[r, 16 * w]) + k for r in rows for k in range(4)}
+                assert len(banks) == 32, (w, q, first)
+
+
+def test_byte_tile_4x4_transpose(host_check):
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 2 ** 32, size=(200, 4), dtype=np.uint64).astype(np.uint32)
+    words[0] = [0x03020100, 0x13121110, 0x23222120, 0x33323130]
+    out = host_check("t4x4", [], [" ".join(f"{w:08x}" for w in row) for row in words])
+    for row, got in zip(words, out):
+        m = row.view(np.uint8).reshape(4, 4)  # m[k, i]: byte i of word k
+        want = np.ascontiguousarray(m.T).view(np.uint32).reshape(-1)
+        assert [int(g, 16) for g in got] == want.tolist(), (row, got)
+    assert out[0] == ["30201000", "31211101", "32221202", "33231303"]

@@ -16,6 +16,8 @@
 //   up     fmt             records: byte (decimal) -> bits of fp8_to_float (cuda_fp8.hpp host path)
 //   pairplan               records: rows cols elem_bytes (decimal) -> tiles_r tiles_c smem_bytes
 //                          (the launch of the blockwise pair cast, fp8ops.h plan_blockwise_pair)
+//   tileoff                records: r c (decimal)  -> byte_tile_offset(r, c) (byte_tile.cuh)
+//   t4x4                   records: 4 words (hex)  -> transpose_4x4_bytes of them, 4 words (hex)
 // fmt is 0 for E4M3, 1 for E5M2.
 #include <algorithm>
 #include <cinttypes>
@@ -24,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "byte_tile.cuh"
 #include "common.cuh"
 
 using namespace fp8ops;
@@ -221,6 +224,16 @@ int main(int argc, char** argv) {
     while (scanf("%lld %lld %lld", &rows, &cols, &elem) == 3) {
       const BlockwisePairPlan plan = plan_blockwise_pair(rows, cols, int(elem));
       printf("%lld %lld %zu\n", (long long)plan.tiles_r, (long long)plan.tiles_c, plan.smem_bytes);
+    }
+  } else if (!strcmp(mode, "tileoff")) {
+    int r, c;
+    while (scanf("%d %d", &r, &c) == 2) printf("%d\n", byte_tile_offset(r, c));
+  } else if (!strcmp(mode, "t4x4")) {
+    uint32_t in[4], out[4];
+    while (try_hex(&in[0])) {
+      for (int k = 1; k < 4; ++k) in[k] = rd_hex();
+      transpose_4x4_bytes(in, out);
+      printf("%08x %08x %08x %08x\n", out[0], out[1], out[2], out[3]);
     }
   } else if (!strcmp(mode, "up")) {
     const int fmt = int(rd_i64());
