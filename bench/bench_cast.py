@@ -9,7 +9,7 @@ ops they stand for (fp8ops/ops/fused.py), each with its own kernel: what the fus
 transpose (transpose_fp8) reads the E4M3 cast of the input. Prints a
 markdown table and writes it to bench/results/cast.md, with a plot in bench/results/cast.png.
 
-    python bench/bench_cast.py [--max-mb 1024] [--iters 30] [--no-compile]
+    python bench/bench_cast.py [--max-mb 1024] [--iters 30] [--no-compile] [--sizes-mb 64,256]
     python bench/bench_cast.py --device cpu --smoke --out /tmp/cast   # runs end to end; not a measurement
 """
 from __future__ import annotations
@@ -113,6 +113,8 @@ def _role_buffers(device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-mb", type=int, default=1024, help="largest input in MB of bf16")
+    ap.add_argument("--sizes-mb", default="1,4,16,64,256,1024",
+                    help="input sizes in MB of bf16 (those up to --max-mb)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the emulation")
     ap.add_argument("--compile-mb", default="1,16,256",
@@ -133,7 +135,7 @@ def main():
     if args.smoke:
         sizes_mb, args.iters, args.no_compile = [1], 2, True
     else:
-        sizes_mb = [mb for mb in (1, 4, 16, 64, 256, 1024) if mb <= args.max_mb]
+        sizes_mb = [int(v) for v in args.sizes_mb.split(",") if v and int(v) <= args.max_mb]
     compile_mb = {int(v) for v in args.compile_mb.split(",") if v}
     rows_out, plot = [], {}
     for mb in sizes_mb:

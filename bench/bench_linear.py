@@ -11,6 +11,7 @@ time, with its geometric mean over the shapes. Random inputs, the same for every
 
     python bench/bench_linear.py [--rounds R] [--iters N] [--recipes current,delayed,...]
     python bench/bench_linear.py --with-auto   # also each recipe with fallback="auto"
+    python bench/bench_linear.py --shapes 16384x8192x1280,4096x4096x4096   # these shapes only
     python bench/bench_linear.py --graph       # forward + backward replayed: no launch work
     python bench/bench_linear.py --device cpu --smoke     # runs end to end; not a measurement
 
@@ -100,6 +101,8 @@ def main(argv=None) -> list:
     ap.add_argument("--iters", type=int, default=10, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--shapes", default=None,
+                    help="MxKxN,... (default: the 11 shapes of SHAPES)")
     ap.add_argument("--with-auto", action="store_true",
                     help='also time each recipe with fallback="auto" (columns "<recipe> auto")')
     ap.add_argument("--graph", action="store_true",
@@ -118,7 +121,10 @@ def main(argv=None) -> list:
     recipe_names = [r for r in args.recipes.split(",") if r]
     names = recipe_names + ([f"{r} auto" for r in recipe_names] if args.with_auto else [])
     rows = []
-    for m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes and not args.smoke:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    for m, k, n in shapes:
         torch.manual_seed(0)
         base = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

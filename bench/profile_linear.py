@@ -4,12 +4,15 @@ spends its host time (allocations, launches, the ops' own C++, the backward's Py
 
 Per variant: "host" is the time to enqueue 50 steps without a sync (the host's cost of a step
 while the GPU keeps up), "wall" the same with the closing sync. Then a torch.profiler table of 5
-FP8 steps, sorted by self CPU time. Then (--ops) the host cost of each op of the step called
+FP8 steps, sorted by self CPU time. With --timeline, the GPU timeline of one step per variant:
+every kernel in start order with its gap to the one before, and how much of the step's span no
+kernel covers. Then (--ops) the host cost of each op of the step called
 alone on tiny operands (the GPU never limits it), and (--python) the Python functions the FP8
 step spends its host time in (cProfile). A diagnosis, not a ratio claim.
 
     python bench/profile_linear.py [--shapes 1024x4096x4096,4096x4096x1280] [--rows 25]
     python bench/profile_linear.py --ops --python [--shapes none]
+    python bench/profile_linear.py --shapes none --timeline 16384x8192x1280   # one step's kernels
     python bench/profile_linear.py --device cpu --smoke   # runs end to end; measures nothing
 """
 from __future__ import annotations
@@ -59,11 +62,7 @@ def profile_shape(m, k, n, device, rows, steps=50):
     lines = []
     for name in ["bf16", *RECIPES]:
         torch.manual_seed(0)
-        if name == "bf16":
-            layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-        else:
-            layer = fp8ops.FP8Linear(k, n, bias=False, recipe=RECIPES[name](), fallback="never",
-                                     device=device, dtype=torch.bfloat16)
+        layer = _make_layer(name, k, n, device)
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         step = _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
@@ -79,6 +78,50 @@ def profile_shape(m, k, n, device, rows, steps=50):
                 _sync(device)
             lines.append(prof.key_averages().table(sort_by="self_cpu_time_total",
                                                    row_limit=rows, max_name_column_width=60))
+    return lines
+
+
+def _make_layer(name, k, n, device):
+    if name == "bf16":
+        return torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    return fp8ops.FP8Linear(k, n, bias=False, recipe=RECIPES[name](), fallback="never",
+                            device=device, dtype=torch.bfloat16)
+
+
+def timeline(m, k, n, device, width=64):
+    """The GPU activity of one warm training step per variant, in start order: each kernel's start
+    (from the step's first kernel), its duration and the idle gap before it, then the step's span,
+    the time in kernels and the time in none (launch gaps and host waits the GPU sees)."""
+    lines = []
+    for name in ["bf16", *RECIPES]:
+        torch.manual_seed(0)
+        layer = _make_layer(name, k, n, device)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        step = _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
+        for _ in range(5):
+            step()
+        _sync(device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            step()
+            _sync(device)
+        gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        lines.append(f"== timeline {name} M={m} K={k} N={n}: {len(gpu)} GPU activities")
+        if not gpu:
+            continue
+        t0, prev_end, busy = gpu[0].time_range.start, gpu[0].time_range.start, 0.0
+        lines.append(f"   {'start us':>9} {'gap us':>8} {'dur us':>8}  kernel")
+        for e in gpu:
+            start, end = e.time_range.start, e.time_range.end
+            gap = max(0.0, start - prev_end)
+            busy += max(0.0, end - max(start, prev_end))  # overlapping kernels counted once
+            lines.append(f"   {start - t0:9.1f} {gap:8.1f} {end - start:8.1f}  {e.name[:width]}")
+            prev_end = max(prev_end, end)
+        span = prev_end - t0
+        lines.append(f"   span {span:.1f} us, in kernels {busy:.1f} us, in none {span - busy:.1f} us "
+                     f"({(span - busy) / span:.0%})")
     return lines
 
 
@@ -160,6 +203,8 @@ def main(argv=None) -> str:
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU: checks it runs")
     ap.add_argument("--ops", action="store_true", help="host cost of each op called alone")
     ap.add_argument("--python", action="store_true", help="cProfile of the FP8 steps' Python")
+    ap.add_argument("--timeline", default=None, metavar="MxKxN",
+                    help="GPU timeline of one step per variant at this shape")
     args = ap.parse_args(argv)
     if args.device == "cpu" and not args.smoke:
         ap.error("--device cpu only with --smoke: CPU timings say nothing about the GPU path")
@@ -171,6 +216,9 @@ def main(argv=None) -> str:
     for shape in shapes:
         m, k, n = (int(v) for v in shape.split("x"))
         lines += profile_shape(m, k, n, device, args.rows, steps=3 if args.smoke else 50)
+    if args.timeline:
+        m, k, n = (int(v) for v in ("64x128x96" if args.smoke else args.timeline).split("x"))
+        lines += timeline(m, k, n, device)
     if args.ops:
         lines += op_costs(device, calls=3 if args.smoke else 300)
     if args.python:

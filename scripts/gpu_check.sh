@@ -4,6 +4,14 @@
 #   bash scripts/gpu_check.sh                 # build, test, bench (about 10 minutes)
 #   bash scripts/gpu_check.sh build test      # or any of the sections
 #   bash scripts/gpu_check.sh demo            # the training demo at --size gpu (not in the default)
+#   bash scripts/gpu_check.sh --quick         # at most 8 minutes, build included (below)
+#
+# --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
+# kernels' and the layer's test files) and racecheck of the shared-memory kernels; then the
+# figures the open performance goals need: the host time of one layer step, the GPU timeline of
+# one step at 16384x8192x1280, the layer step against bf16 at five key shapes, and the casts at
+# 64 and 256 MB. Every section has its own time limit; the last lines are a table for
+# bench/RESULTS.md, and all logs are packed into $OUT/logs.tar.gz.
 #
 # Needs: a CUDA build of torch, nvcc, pytest (pytest-xdist optional), compute-sanitizer, and the
 # CUTLASS headers (`pip install --no-deps nvidia-cutlass`, or CUTLASS_PATH). fp8ops is built
@@ -20,7 +28,16 @@ status=0
 section() { echo; echo "==== $1 ===="; }
 record() { if [ "$1" -ne 0 ]; then echo "FAILED ($2, rc=$1)"; status=1; fi; echo "$2 rc=$1" >> "$OUT/summary.txt"; }
 export PYTHONUNBUFFERED=1
-SECTIONS=${*:-build test bench}
+QUICK=0
+if [ "${1:-}" = "--quick" ]; then
+  QUICK=1; shift
+  SECTIONS=${*:-build quicktest quickbench}
+  # one architecture: the GPU in hand (the cast kernels for three targets triple their build)
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c \
+    "import torch; c = torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}' + ('a' if c == (9, 0) else ''))")}
+else
+  SECTIONS=${*:-build test bench}
+fi
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 : > "$OUT/summary.txt"
 
@@ -30,9 +47,10 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 if want build; then
   section "build (pip install -e .)"
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} timeout 600 python3 -m pip install -q --no-build-isolation --no-deps -e . \
+  t0=$(date +%s)
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} timeout $([ "$QUICK" = 1 ] && echo 300 || echo 600) python3 -m pip install -q --no-build-isolation --no-deps -e . \
     > "$OUT/build.log" 2>&1
-  rc=$?; tail -5 "$OUT/build.log"; record $rc build
+  rc=$?; tail -5 "$OUT/build.log"; echo "build took $(( $(date +%s) - t0 )) s"; record $rc build
 fi
 python3 -c "import fp8ops; print('backend:', fp8ops.backend(), '-', fp8ops.backend().reason)" 2>&1 | tee -a "$OUT/env.txt"
 
@@ -51,6 +69,46 @@ if want test; then
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 python3 scripts/sanitize_ops.py --race \
     > "$OUT/racecheck.log" 2>&1
   rc=$?; tail -4 "$OUT/racecheck.log"; record $rc racecheck
+fi
+
+if want quicktest; then
+  section "pytest -m gpu (${QUICK_TESTS:=tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py})"
+  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+  # shellcheck disable=SC2086
+  timeout 120 python3 -m pytest -q -m gpu $QUICK_TESTS $XDIST -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+  rc=$?; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.log" | tail -20; record $rc pytest_gpu
+
+  section "compute-sanitizer racecheck (shared-memory kernels)"
+  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 3 python3 scripts/sanitize_ops.py --race \
+    > "$OUT/racecheck.log" 2>&1
+  rc=$?; tail -4 "$OUT/racecheck.log"; record $rc racecheck
+fi
+
+if want quickbench; then
+  section "bench/profile_linear.py: host time of one layer step; GPU timeline at 16384x8192x1280"
+  timeout 60 python3 bench/profile_linear.py --timeline 16384x8192x1280 > "$OUT/profile_linear.log" 2>&1
+  rc=$?; grep -E "^== |^   span" "$OUT/profile_linear.log"; record $rc profile_linear
+
+  section "bench/bench_linear.py: key shapes"
+  timeout 120 python3 bench/bench_linear.py --recipes current,delayed --with-auto --rounds 3 --iters 5 \
+    --shapes 16384x8192x7168,16384x8192x1280,8192x4096x4096,4096x4096x4096,1024x4096x4096 \
+    --out "$OUT/results" > "$OUT/bench_linear.log" 2>&1
+  rc=$?; record $rc bench_linear
+
+  section "bench/bench_cast.py: 64 and 256 MB"
+  timeout 60 python3 bench/bench_cast.py --sizes-mb 64,256 --iters 10 --no-compile \
+    --out "$OUT/results" > "$OUT/bench_cast.log" 2>&1
+  rc=$?; record $rc bench_cast
+
+  section "table for bench/RESULTS.md"
+  cat "$OUT/env.txt"
+  echo; echo "Host time of one layer step (bench/profile_linear.py):"
+  grep -E "^== (bf16|current|delayed) M=" "$OUT/profile_linear.log"
+  echo; echo "GPU timeline of one step (bench/profile_linear.py --timeline 16384x8192x1280):"
+  grep -E "^== timeline|^   span" "$OUT/profile_linear.log"
+  echo; sed -n '/^| M |/,/^| geomean/p' "$OUT/results/linear.md" 2>/dev/null
+  echo; grep -E "^\| input MB|^\| ---|d2d copy|amax|quantize\+transpose|fused (delayed|current)" \
+    "$OUT/results/cast.md" 2>/dev/null
 fi
 
 if want bench; then
@@ -117,4 +175,8 @@ fi
 
 section "summary"
 cat "$OUT/summary.txt"
+if [ "$QUICK" = 1 ]; then  # one archive: the logs and result tables travel as one file
+  tar czf "$OUT/logs.tar.gz" -C "$OUT" --exclude logs.tar.gz . 2>/dev/null
+  [ -s "$OUT/logs.tar.gz" ] && find "$OUT" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt -delete
+fi
 exit $status
