@@ -34,6 +34,7 @@ RECIPES = {"current": fp8ops.CurrentScaling, "delayed": fp8ops.DelayedScaling}
 def _step(layer, x, dy, opt):
     def step():
         opt.zero_grad(set_to_none=True)
+        x.grad = None  # no accumulation into x's gradient: one step's work, as in bench_linear
         layer(x).backward(dy)
         opt.step()
     return step
