@@ -1,6 +1,6 @@
-"""Shared timing helpers for the fp8ops benchmarks (DESIGN.md section 9): L2 flush, median of
-CUDA-event timings, interleaved rounds, and the facts about the device and software that every
-result records."""
+"""Shared timing helpers for the fp8ops benchmarks (docs/design.md, "Measuring"): L2 flush,
+median of CUDA-event timings, interleaved rounds, and the facts about the device and software
+that every result records."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,8 @@
 """fp8ops: FP8 training for PyTorch.
 
 Exact emulation everywhere (CPU, any GPU), CUDA cast kernels on sm_89+, a CUTLASS FP8 GEMM on
-Hopper. See README.md; the numerics are those of DESIGN.md sections 3-5.
+Hopper. See README.md; the numerics are those of docs/design.md, with the finer choices in
+docs/numerics.md.
 
 Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), nn/ (autograd
 Functions, fp8ops.linear, FP8Linear and convert_to_fp8), optim/ (CPU offload of masters and

@@ -60,7 +60,7 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Philox4x32-10 (DESIGN.md section 4), in int64 arithmetic so it runs on any device
+# Philox4x32-10 (docs/design.md, "Stochastic rounding"), in int64 arithmetic: any device
 # ----------------------------------------------------------------------------------------------
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -97,7 +97,8 @@ def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
 
 
 def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int) -> torch.Tensor:
-    """Stochastic rounding of float32 y (already scaled) to FP8, DESIGN.md section 4."""
+    """Stochastic rounding of float32 y (already scaled) to FP8 (docs/design.md, "Stochastic
+    rounding")."""
     y = y.clamp(-fmt.max, fmt.max)
     r = random_words(y.numel(), seed, offset, y.device).reshape(y.shape)
     u = (r >> 8).to(torch.float32) * 2.0 ** -24
@@ -139,7 +140,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
 
 
 # ----------------------------------------------------------------------------------------------
-# MXFP8 (DESIGN.md section 5)
+# MXFP8 (docs/design.md, "MXFP8")
 # ----------------------------------------------------------------------------------------------
 def _blocks_last(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
     """Move axis last and split it into (n_blocks, block_size)."""
@@ -191,7 +192,7 @@ def dequantize_mx(data: torch.Tensor, scales: torch.Tensor, block_size: int, axi
 
 
 # ----------------------------------------------------------------------------------------------
-# Blockwise (DeepSeek-V3 style, DESIGN.md section 5)
+# Blockwise (DeepSeek-V3 style, docs/design.md, "Blockwise")
 # ----------------------------------------------------------------------------------------------
 def _tiles(x2: torch.Tensor, br: int, bc: int, fill: float) -> torch.Tensor:
     """[R, C] -> [Rb, br, Cb, bc], padding the last partial blocks with `fill`."""
@@ -246,7 +247,7 @@ def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows
 
 
 # ----------------------------------------------------------------------------------------------
-# Delayed-scaling update (DESIGN.md section 3 and 7)
+# Delayed-scaling update (docs/numerics.md, "Delayed scaling state machine")
 # ----------------------------------------------------------------------------------------------
 _ALGOS = ("max", "most_recent", "ema", "percentile")
 

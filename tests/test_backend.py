@@ -1,4 +1,4 @@
-"""fp8ops.backend(): which implementation runs where, and why (DESIGN.md section 8)."""
+"""fp8ops.backend(): which implementation runs where, and why (docs/design.md, "Backends")."""
 import os
 import subprocess
 import sys

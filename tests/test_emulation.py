@@ -172,7 +172,7 @@ def test_random_words_counter_layout():
 
 
 def sr_ref(y: float, r: int, fmt) -> float:
-    """DESIGN.md section 4 for one float32 value y (already scaled and clamped)."""
+    """docs/design.md, "Stochastic rounding", for one float32 value y (scaled and clamped)."""
     if y != y or y == 0:
         return y
     a = abs(y)

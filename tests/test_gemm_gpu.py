@@ -63,7 +63,7 @@ def _poison():
 
 
 def _quantize(x: torch.Tensor, dtype):
-    """Per-tensor current scaling, the DESIGN.md section 3 recipe (clamp, then RNE cast)."""
+    """Per-tensor current scaling, as docs/design.md, "Per-tensor casts" (clamp, then RNE cast)."""
     amax = x.abs().amax().float()
     scale = FMAX[dtype] / amax
     q = (x.float() * scale).clamp(-FMAX[dtype], FMAX[dtype]).to(dtype)

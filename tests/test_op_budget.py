@@ -1,14 +1,14 @@
 """The host cost of one FP8Linear training step, held to a budget on the CPU (bench/op_count.py
 counts the operator calls of the Python path a CUDA device takes, on a bf16 layer).
 
-Two steps are counted: the first micro-batch after an optimizer step (the weight is cast again)
-and a later one (the weight's cast reused). nn.Linear makes 4 kernel-launching calls either way;
-Transformer Engine about 5. The goal, DESIGN.md's step: <= 6 for the per-tensor recipes and <= 8
-for the block recipes with the weight cached; every recipe makes 5 (one call per cast, the scale
-math and the bias gradient inside it; three GEMMs). BUDGET holds today's counts as a ratchet: a
-change that adds a launch fails here, one that removes launches lowers the budget with it. Host
-syncs and activation copies are held at zero. (The additions autograd makes into existing .grad
-tensors are counted apart: nn.Linear pays them too.)
+Two steps are counted: the first micro-batch after an optimizer step (the weight is cast again) and
+a later one (the weight's cast reused). nn.Linear makes 4 kernel-launching calls either way;
+Transformer Engine about 5. The goal (docs/design.md, "The training step's budget"): <= 6 for the
+per-tensor recipes and <= 8 for the block recipes with the weight cached; every recipe makes 5 (one
+call per cast, the scale math and the bias gradient inside it; three GEMMs). BUDGET holds today's
+counts as a ratchet: a change that adds a launch fails here, one that removes launches lowers the
+budget with it. Host syncs and activation copies are held at zero. (The additions autograd makes
+into existing .grad tensors are counted apart: nn.Linear pays them too.)
 
 PYTHON_BUDGET holds the Python function calls of the same steps (torch's own included, the op
 kernels' left out: C++ on a GPU), where a GPU step's host time also goes: nn.Linear's forward and

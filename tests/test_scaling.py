@@ -1,4 +1,5 @@
-"""Recipes and the delayed-scaling state machine (DESIGN.md sections 3 and 7)."""
+"""Recipes and the delayed-scaling state machine (docs/design.md, "Scaling recipes";
+docs/numerics.md, "Delayed scaling state machine")."""
 import math
 
 import numpy as np

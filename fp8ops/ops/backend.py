@@ -1,4 +1,4 @@
-"""Which implementation runs on which device, and why (DESIGN.md section 8)."""
+"""Which implementation runs on which device, and why (docs/design.md, "Backends")."""
 from __future__ import annotations
 
 import os

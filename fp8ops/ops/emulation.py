@@ -1,9 +1,9 @@
 """Pure-PyTorch implementation of every fp8ops op: the exact reference the CUDA kernels match.
 
 Each function has the same signature as its op (schemas in ops/__init__.py) and runs on any
-device. The numerics are those of DESIGN.md sections 3-5: one float32 multiply by the scale, clamp
-(so +-inf saturate and torch's version-dependent overflow never matters), round to nearest even,
-NaN written as 0x7F.
+device. The numerics are those of docs/design.md ("Per-tensor casts", "Stochastic rounding",
+"Block scaling"): one float32 multiply by the scale, clamp (so +-inf saturate and torch's
+version-dependent overflow never matters), round to nearest even, NaN written as 0x7F.
 
 The full-size passes avoid boolean masks (torch.where, isnan, comparisons): on CPU those run an
 order of magnitude slower than arithmetic. Masks stay on the small per-block and per-tensor
@@ -138,12 +138,12 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# stochastic rounding (DESIGN.md section 4); the random words come from philox.py
+# stochastic rounding (docs/design.md, "Stochastic rounding"); the random words: philox.py
 # ----------------------------------------------------------------------------------------------
 def _stochastic_fp8(y: torch.Tensor, fmt, seed: int, offset: int, nan_possible: bool = True,
                     clamp: bool = True) -> torch.Tensor:
     """Stochastic rounding of float32 y (already scaled; a temporary: clobbered) to FP8,
-    DESIGN.md section 4, without masks:
+    docs/design.md, "Stochastic rounding", without masks:
     - ulp = 2^(max(floor(log2|y|), emin) - mbits) comes from |y|'s exponent field; a float32
       subnormal or zero gets emin, the right ulp for the first and harmless for zero;
     - up = (frac > u) is ceil(frac - u): the float32 difference of two values in [0, 1) lies in
@@ -241,7 +241,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# MXFP8 (DESIGN.md section 5)
+# MXFP8 (docs/design.md, "MXFP8")
 # ----------------------------------------------------------------------------------------------
 def _split_axis(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
     """Split `axis` into (n_blocks, block_size) in place: a view, with no data movement."""
@@ -331,7 +331,7 @@ def dequantize_mx(data: torch.Tensor, scales: torch.Tensor, block_size: int, axi
 
 
 # ----------------------------------------------------------------------------------------------
-# Blockwise (DeepSeek-V3 style, DESIGN.md section 5)
+# Blockwise (DeepSeek-V3 style, docs/design.md, "Blockwise")
 # ----------------------------------------------------------------------------------------------
 def _tiles(x2: torch.Tensor, br: int, bc: int, fill: float) -> torch.Tensor:
     """[R, C] -> [Rb, br, Cb, bc], padding the last partial blocks with `fill` (a view when
@@ -444,7 +444,7 @@ def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows
 
 
 # ----------------------------------------------------------------------------------------------
-# Delayed-scaling update (DESIGN.md section 3 and 7)
+# Delayed-scaling update (docs/numerics.md, "Delayed scaling state machine")
 # ----------------------------------------------------------------------------------------------
 _ALGOS = ("max", "most_recent", "ema", "percentile")
 

@@ -1,6 +1,7 @@
-"""Philox4x32-10 (DESIGN.md section 4) in int64 tensor arithmetic, for the emulation's stochastic
-rounding: the random word of flat element i is word i % 4 of the block with counter
-(j & 0xffffffff, j >> 32, offset low, offset high), j = i // 4, and key (seed low, seed high).
+"""Philox4x32-10 (docs/design.md, "Stochastic rounding") in int64 tensor arithmetic, for the
+emulation's stochastic rounding: the random word of flat element i is word i % 4 of the block
+with counter (j & 0xffffffff, j >> 32, offset low, offset high), j = i // 4, and key (seed low,
+seed high).
 
 A 32 x 32-bit product is below 2^64: as int64 it wraps, but its bits are the product, so hi is
 bits 32-63 (`>> 32`, masked: the shift is arithmetic) and lo bits 0-31. lo words are carried
