@@ -110,7 +110,7 @@ def _role_buffers(device):
             torch.zeros((), **i64))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-mb", type=int, default=1024, help="largest input in MB of bf16")
     ap.add_argument("--sizes-mb", default="1,4,16,64,256,1024",
@@ -122,7 +122,7 @@ def main():
                          "(each size compiles anew)")
     add_smoke_options(ap, "one small input, 2 iterations, no torch.compile: the script runs end "
                           "to end (on the CPU: the emulation); not a measurement")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out_dir = results_dir(args, os.path.join(HERE, "results"))
     from fp8ops.ops import backend
 

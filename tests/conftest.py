@@ -22,6 +22,17 @@ def _fp8_at_every_shape(request, monkeypatch):
         monkeypatch.setattr(fallback, "MEASURED", {})
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test. A smoke run measures nothing, and on a loaded
+    machine every parallel region of its many small ops waits for a thread that is not running:
+    on 2 busy cores, bench/profile_linear.py's op costs took 7 s on two threads, 0.2 s on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def skip_without_fp8_kernels() -> None:
     """Skip the calling test unless this GPU has FP8 and fp8ops' CUDA kernels are loaded."""
     from fp8ops.ops import backend

@@ -4,16 +4,15 @@ input, every output; plus a scale it reads), so that its GB/s and "vs copy" rati
 honest. The timings of a smoke run mean nothing."""
 from __future__ import annotations
 
-import os
-import sys
-
+import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-from test_bench_linear import ROOT, run_smoke
+from test_bench_linear import run_smoke
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import bench_cast  # noqa: E402
+import bench_cast  # bench/ is on the path once test_bench_linear is imported
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # (conftest.py says why)
 
 FUSED = ["fused current (+T)", "fused current (+T, + dbias)", "fused delayed (+T)",
          "fused blockwise pair", "fused mx pair (1x32)"]
@@ -32,8 +31,8 @@ def test_bytes_credited_are_the_bytes_moved():
         assert (unfused is not None) == (name in FUSED), name
 
 
-def test_bench_cast_smoke(tmp_path):
-    stdout = run_smoke("bench_cast.py", tmp_path)
+def test_bench_cast_smoke(tmp_path, capsys):
+    stdout = run_smoke(capsys, "bench_cast", tmp_path)
     table = (tmp_path / "cast.md").read_text()
     assert table in stdout and "not a measurement" in table
     rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| 1 ")]
