@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Make .venv/ with everything fp8ops needs and build fp8ops into it (the CUDA extension too when
 # nvcc is present; FP8OPS_SKIP_CUDA_BUILD=1 skips it). Safe to run again: it only adds what lacks.
+# --cuda-if-gpu (the demo): build the CUDA extension only where a CUDA GPU is visible; on a
+# CPU-only machine its CUTLASS GEMMs would be most of the build time, for kernels nothing runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,10 +16,21 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build
 # The editable install serves Python changes live; rebuild only when the C++/CUDA sources, the
 # build files or the build switches changed since the last successful build.
-stamp=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)-${FP8OPS_SKIP_CUDA_BUILD:-0}-${FP8OPS_SKIP_CPU_BUILD:-0}-${CUDA_HOME:-}
+sources=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
+stamp_for() { echo "$sources-$1-${FP8OPS_SKIP_CPU_BUILD:-0}-${CUDA_HOME:-}"; }  # $1: skip CUDA
 built() { ls fp8ops/_C*.so fp8ops/_cpu*.so 2>/dev/null || true; }  # the built extensions
 so_count() { built | wc -l; }
-if [ "$(cat build/.stamp 2>/dev/null)" = "$stamp-$(so_count)" ] && python -c "import fp8ops" 2>/dev/null; then
+built_as() { [ "$(cat build/.stamp 2>/dev/null)" = "$(stamp_for "$1")-$(so_count)" ]; }
+gpu_visible() { python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
+serves=false  # whether the last build serves this call as it is
+if [ "${1:-}" = "--cuda-if-gpu" ] && [ -z "${FP8OPS_SKIP_CUDA_BUILD:-}" ] && ! gpu_visible; then
+  # a build with the CUDA extension (scripts/test.sh's) serves the demo too
+  built_as 0 && serves=true
+  export FP8OPS_SKIP_CUDA_BUILD=1
+  echo "fp8ops: no CUDA GPU visible: the CUDA extension is not needed here (scripts/test.sh builds it)"
+fi
+built_as "${FP8OPS_SKIP_CUDA_BUILD:-0}" && serves=true
+if $serves && python -c "import fp8ops" 2>/dev/null; then
   echo "fp8ops: build is up to date ($(built | xargs echo) $([ "$(so_count)" -gt 0 ] || echo 'pure Python'))"
   exit 0
 fi
@@ -28,5 +41,5 @@ if ! pip install --disable-pip-version-check --no-build-isolation --no-deps -e .
   echo "fp8ops: build failed (full log: build/setup.log)" >&2
   exit 1
 fi
-echo "$stamp-$(so_count)" > build/.stamp
+echo "$(stamp_for "${FP8OPS_SKIP_CUDA_BUILD:-0}")-$(so_count)" > build/.stamp
 echo "fp8ops: built in $(( $(date +%s) - start )) s; extensions: $(built | xargs echo) $([ "$(so_count)" -gt 0 ] || echo 'none (pure Python)')"

@@ -1,4 +1,5 @@
-"""setup.py's reading of TORCH_CUDA_ARCH_LIST (the forms torch accepts) into -gencode flags."""
+"""setup.py's reading of TORCH_CUDA_ARCH_LIST (the forms torch accepts) into -gencode flags, and
+scripts/setup_env.sh's choice of what to build."""
 import os
 
 import pytest
@@ -55,3 +56,66 @@ def test_gemm_retargeting_leaves_a_cpp_only_build_file_alone(setup_ns, tmp_path)
     ninja.write_text(text)
     setup_ns["_retarget_gemm_objects"](str(ninja))
     assert ninja.read_text() == text
+
+
+FAKE_BIN = {
+    # records the build and makes the extensions the build switches ask for
+    "pip": """#!/usr/bin/env bash
+case " $* " in *" -e . "*)
+  echo "build SKIP_CUDA=${FP8OPS_SKIP_CUDA_BUILD:-0}" >> "$FAKE_LOG"
+  touch fp8ops/_cpu.fake.so
+  [ "${FP8OPS_SKIP_CUDA_BUILD:-0}" = 1 ] || touch fp8ops/_C.fake.so ;;
+esac
+""",
+    # torch.cuda.is_available() answers FAKE_GPU; `import fp8ops` succeeds
+    "python": """#!/usr/bin/env bash
+case "$*" in *cuda*) [ "$FAKE_GPU" = 1 ] ;; *) true ;; esac
+""",
+}
+
+
+def _fake_checkout(root):
+    """A checkout whose .venv has a pip that only records builds and a python that only answers
+    whether a GPU is visible: setup_env.sh's build decisions, without a build."""
+    (root / "scripts").mkdir()
+    (root / "scripts" / "setup_env.sh").write_text(
+        open(os.path.join(ROOT, "scripts", "setup_env.sh")).read())
+    for name in ("setup.py", "pyproject.toml", "csrc/a.cu"):
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_text(name)
+    (root / "fp8ops").mkdir()
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    for name, text in FAKE_BIN.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+
+
+def test_setup_env_builds_cuda_for_the_demo_only_with_a_gpu(tmp_path):
+    """The demo (--cuda-if-gpu) skips the CUDA extension without a GPU; the tests' call builds it
+    after that, and its build serves the demo in turn; with a GPU the demo builds it too."""
+    import subprocess
+    _fake_checkout(tmp_path)
+    log = tmp_path / "builds.log"
+
+    def setup(*args, gpu=False):
+        env = {**os.environ, "FAKE_LOG": str(log), "FAKE_GPU": str(int(gpu)),
+               "CUDA_HOME": "/opt/cuda"}
+        env.pop("FP8OPS_SKIP_CUDA_BUILD", None)
+        proc = subprocess.run(["bash", str(tmp_path / "scripts" / "setup_env.sh"), *args],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        builds = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return builds
+
+    demo, tests = ["--cuda-if-gpu"], []
+    assert setup(*demo) == ["build SKIP_CUDA=1"]
+    assert not (tmp_path / "fp8ops" / "_C.fake.so").exists()
+    assert setup(*demo) == []
+    assert setup(*tests) == ["build SKIP_CUDA=0"]
+    assert (tmp_path / "fp8ops" / "_C.fake.so").exists()
+    assert setup(*demo) == [] and setup(*tests) == [] and setup(*demo, gpu=True) == []
+    (tmp_path / "csrc" / "a.cu").write_text("changed")
+    assert setup(*demo, gpu=True) == ["build SKIP_CUDA=0"]
