@@ -114,26 +114,33 @@ def _device_path():
 def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,
                dtype: torch.dtype = torch.bfloat16, accumulate: bool = False) -> dict:
     """The counts of one forward + backward of `layer` (moved to `dtype`, as a bf16 model is
-    trained) on an [m, in_features] batch, after `warmup` steps. accumulate=False: the
-    gradients are set to None first (the first micro-batch after an optimizer step's
-    zero_grad; the weight is cast again); True: they are accumulated into (the weight's cast is
-    reused)."""
+    trained) on an [m, in_features] batch, after `warmup` training steps (an optimizer steps the
+    layer, so that its weight cast may be reused between steps). accumulate=False: the first
+    micro-batch after an optimizer step and zero_grad (the weight is cast again, the gradients
+    written); True: a later micro-batch (the weight's cast is reused, the gradients accumulated
+    into)."""
     layer = layer.to(dtype)
     k, n = layer.in_features, layer.out_features
     x = torch.randn(m, k, dtype=dtype, requires_grad=True)
     dy = torch.randn(m, n, dtype=dtype)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)  # the weights stay; its steps are seen
+
+    def new_window():
+        opt.step()
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
     with _device_path():
         for _ in range(warmup):
             layer(x).backward(dy)
-        if not accumulate:
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
+            new_window()
+        if accumulate:
+            layer(x).backward(dy)  # the window's first micro-batch casts the weight
         grads = [t.grad for t in (x, *layer.parameters()) if t.grad is not None]
         with _Counter(large=min(m * k, m * n), grads=grads) as counter:
             layer(x).backward(dy)
         if not accumulate:  # the same kind of step again, its Python counted
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
+            new_window()
         py_calls = python_calls(lambda: layer(x).backward(dy))
     calls = counter.calls
     return {

@@ -463,10 +463,11 @@ class ScalingState(nn.Module):
             trust = max(trust, weight_cache.BACKWARD)  # FSDP2: values change with the source
         else:
             source = None
-        entry, payload = weight_cache.lookup(
-            self._weight_cache, weight, cast, live, self.weight_generation, trust, source)
-        self.__dict__["_weight_cache"] = entry  # (a plain attribute: see set_recording)
         param = weight_cache.leaf(weight)
+        entry, payload = weight_cache.lookup(
+            self._weight_cache, weight, cast, live, self.weight_generation, trust, source,
+            self.weight_held(param))
+        self.__dict__["_weight_cache"] = entry  # (a plain attribute: see set_recording)
         # the steps of an optimizer over what this cast reads end it
         target = param if self.host_weight is None else self.host_weight.master
         if self._watched is None or self._watched() is not target:
@@ -478,12 +479,22 @@ class ScalingState(nn.Module):
     def watch(self, param: torch.Tensor) -> None:
         """An optimizer step over `param` moves this state's weight generation (the parameter
         the layer registers, the one it casts, an offloaded master, FSDP2's sharded one)."""
-        key = id(param)
-        item = _WATCHERS.get(key)
-        if item is None or item[0]() is not param:
-            item = _WATCHERS[key] = (weakref.ref(param, functools.partial(_forget, key)), [])
-        if self._generation not in item[1]:
-            item[1].append(self._generation)
+        item = _watched(param)
+        if self._generation not in item.generations:
+            item.generations.append(self._generation)
+
+    def weight_held(self, param: torch.Tensor) -> bool:
+        """Whether an optimizer steps what this state's weight cast reads (`param`, the leaf it
+        casts; an offloaded master or FSDP2's sharded parameter in its place): the condition
+        for reusing a cast between two of its steps (weight_cache)."""
+        if self.host_weight is not None:
+            param = self.host_weight.master
+        elif self.source is not None:
+            source = self.source()
+            param = param if source is None else source
+        item = _WATCHERS.get(id(param))  # (held(param), inlined: a call per forward fewer)
+        return (item is not None and item.holder is not None and item.ref() is param
+                and item.holder() is not None)
 
     @contextlib.contextmanager
     def unreferenced(self, tensor: Optional[torch.Tensor]):
@@ -498,9 +509,11 @@ class ScalingState(nn.Module):
             yield
             return
         key = id(tensor)
-        generations = []
-        if key in _WATCHERS and _WATCHERS[key][0]() is tensor:
-            generations = _WATCHERS.pop(key)[1]  # (no name may keep the weak reference)
+        watchers = None
+        if key in _WATCHERS and _WATCHERS[key].ref() is tensor:
+            item = _WATCHERS.pop(key)
+            watchers = (item.generations, item.holder)
+            del item  # no name may keep the weak reference
         source = self.source() if self.source is not None else None
         if source is tensor:
             self.source = None
@@ -514,12 +527,11 @@ class ScalingState(nn.Module):
         try:
             yield
         finally:
-            if generations:
-                item = _WATCHERS.get(key)
-                if item is None or item[0]() is not tensor:
-                    item = _WATCHERS[key] = (weakref.ref(tensor, functools.partial(_forget, key)),
-                                             [])
-                item[1].extend(g for g in generations if g not in item[1])
+            if watchers is not None:
+                again = _watched(tensor)
+                again.generations.extend(g for g in watchers[0] if g not in again.generations)
+                if again.holder is None:
+                    again.holder = watchers[1]
             if source is tensor and self.source is None:
                 self.source = weakref.ref(tensor)
             if hooked and not getattr(tensor, "_post_accumulate_grad_hooks", True):
@@ -578,9 +590,22 @@ class ScalingState(nn.Module):
         def accumulated(p):
             state = me()
             if state is not None:
-                state.__dict__["_weight_cache"] = weight_cache.accumulated(state._weight_cache, p)
+                state.weight_grad_accumulated(p)
 
         self._hooked = (weakref.ref(param), param.register_post_accumulate_grad_hook(accumulated))
+
+    def expect_weight_grad(self) -> None:
+        """Called by an FP8 backward that computed the weight's gradient from the cached cast:
+        the gradient accumulation that follows vouches for that cast (eager mode only)."""
+        self.__dict__["_grad_from_cast"] = True
+
+    def weight_grad_accumulated(self, param: torch.Tensor) -> None:
+        """param's gradient was accumulated: if from the FP8 backward of the cached cast, that
+        gradient now vouches for the cast; from anywhere else (a call that fell back to the
+        high-precision layer, another user of a tied weight) it vouches for nothing."""
+        if self.__dict__.get("_grad_from_cast"):
+            self.__dict__["_grad_from_cast"] = False
+            self.__dict__["_weight_cache"] = weight_cache.accumulated(self._weight_cache, param)
 
     def host_values(self) -> torch.Tensor:
         """The host master's values on the device, in the [out, in] layout the casts read."""
@@ -676,17 +701,43 @@ class ScalingState(nn.Module):
         return type(self.recipe).__name__  # the owning FP8Linear prints the whole recipe
 
 
-# id(parameter) -> (weak reference to it, the generation counters of the ScalingStates whose
-# weight an optimizer step over it updates). Looked up by id (a tensor's == is elementwise, and a
-# weak key dictionary pays a new reference per lookup); a counter is a few bytes. Another model's
-# optimizer never finds this model's states.
+class _Watched:
+    """A parameter some ScalingState casts: a weak reference to it, the generation counters an
+    optimizer step over it moves, and a weak reference to the last optimizer that stepped it
+    (its holder: while it lives, a cast may be reused between its steps)."""
+
+    __slots__ = ("ref", "generations", "holder")
+
+    def __init__(self, ref):
+        self.ref, self.generations, self.holder = ref, [], None
+
+
+# id(parameter) -> _Watched. Looked up by id (a tensor's == is elementwise, and a weak key
+# dictionary pays a new reference per lookup); an entry is a few bytes. Another model's optimizer
+# never finds this model's states.
 _WATCHERS: dict = {}
+
+
+def _watched(param: torch.Tensor) -> _Watched:
+    key = id(param)
+    item = _WATCHERS.get(key)
+    if item is None or item.ref() is not param:
+        item = _WATCHERS[key] = _Watched(weakref.ref(param, functools.partial(_forget, key)))
+    return item
+
+
+def held(param: torch.Tensor) -> bool:
+    """Whether a live optimizer has stepped `param`: it holds the parameter, and its steps are
+    seen (weight generations). Until its first step, nothing says one does."""
+    item = _WATCHERS.get(id(param))
+    return (item is not None and item.holder is not None and item.ref() is param
+            and item.holder() is not None)
 
 
 def _forget(key: int, ref) -> None:
     """A watched parameter was collected: drop its entry (unless its id was taken again)."""
     item = _WATCHERS.get(key)
-    if item is not None and item[0] is ref:
+    if item is not None and item.ref is ref:
         del _WATCHERS[key]
 
 
@@ -695,11 +746,15 @@ _STEP_SERIAL = [0]
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     _STEP_SERIAL[0] += 1
+    holder = None
     for group in optimizer.param_groups:
         for p in group["params"]:
             item = _WATCHERS.get(id(p))
-            if item is not None and item[0]() is p:
-                for generation in item[1]:
+            if item is not None and item.ref() is p:
+                if holder is None:
+                    holder = weakref.ref(optimizer)
+                item.holder = holder
+                for generation in item.generations:
                     generation.value += 1  # new values: the next forward recasts
                     generation.step_serial = _STEP_SERIAL[0]
 

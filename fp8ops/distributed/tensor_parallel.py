@@ -127,7 +127,7 @@ def _vouch(state_ref, param) -> None:
     shard may be reused while that gradient stays (the weight cache's gradient voucher)."""
     state = state_ref()
     if state is not None:
-        state._weight_cache = weight_cache.accumulated(state._weight_cache, param._local_tensor)
+        state.weight_grad_accumulated(param._local_tensor)
         _MARKS[state] = (weakref.ref(param), weight_cache.grad_mark(param))
 
 

@@ -171,6 +171,14 @@ def _wgrad(weight: torch.Tensor, gemm) -> Optional[torch.Tensor]:
     return None
 
 
+def _vouching_grad(state: Optional[ScalingState], dw: Optional[torch.Tensor]) -> None:
+    """The weight gradient dw this backward returns comes from the state's cached cast: its
+    accumulation into .grad may vouch for that cast (weight_cache). Eager only: a compiled
+    layer casts every call."""
+    if state is not None and dw is not None and not torch.compiler.is_compiling():
+        state.expect_weight_grad()
+
+
 def _bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor], needed: bool):
     if bias is None or not needed:
         return None
@@ -215,18 +223,24 @@ class PerTensorLinear(torch.autograd.Function):
         recipe = ctx.recipe
         dy2 = dy.contiguous()
         delayed = state is not None and state.delayed
+        eager = not torch.compiler.is_compiling()  # (no state writes in a traced backward)
         if state is not None:
             state.follow_stream(dy2.device)
-            if not torch.compiler.is_compiling():  # (a compiled layer's weight is never one
-                state.release_gathered_shard()     # FSDP2 gathered in FP8: nothing kept)
+            if eager:  # (a compiled layer's weight is never one FSDP2 gathered in FP8)
+                state.release_gathered_shard()
         # stochastic rounding reads its random stream from the state's device buffer
         rng = state.rng if recipe.grad_rounding == "stochastic" else None
         stepping = delayed and state.recording
         sum_dtype = bias.dtype if bias is not None and ctx.needs_input_grad[2] else None
+        role = state.grad if delayed else None
         gq, gq_t, g_scale, g_scale_inv, db = cast_per_tensor(
-            dy2, state.grad if delayed else None, ctx.bwd, recipe, grad_margin(recipe),
-            update=stepping, warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype, rng=rng,
+            dy2, role, ctx.bwd, recipe, grad_margin(recipe), update=stepping,
+            warm=ctx.grad_warm, record=stepping, sum_dtype=sum_dtype, rng=rng,
             shards=_shards(state, "grad"), state=state, name="grad")
+        if stepping and eager:
+            # the role has recorded: later forwards take its scale (set here too for a forward
+            # that ran under no_grad, as reentrant activation checkpointing runs it)
+            role.started = True
         # the step's all-reduce: one for every layer at the end of the backward pass
         if stepping and state.needs_reduce() and not amax_reduction.defer(state):
             state.reduce_records()
@@ -238,6 +252,8 @@ class PerTensorLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _wgrad(weight, lambda dtype: _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv,
                                                         None, dtype, False))
+            if eager and dw is not None and state is not None:
+                state.expect_weight_grad()  # (as _vouching_grad)
         return dx, dw, db, None, None, None, None, None, None, None
 
 
@@ -376,6 +392,7 @@ class MXLinear(torch.autograd.Function):
         if need_dw:
             dw = _wgrad(weight, lambda dtype: _ops.gemm_mx(
                 gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, dtype, bs)[:N, :K])
+            _vouching_grad(ctx.state, dw)
         return dx, dw, db, None, None, None, None, None
 
 
@@ -446,6 +463,7 @@ class BlockwiseLinear(torch.autograd.Function):
         if need_dw:
             dw = _wgrad(weight, lambda dtype: _ops.gemm_blockwise(
                 gt_data, xt_data, gt_scale_inv, xt_scale_inv, None, dtype))
+            _vouching_grad(ctx.state, dw)
         return dx, dw, db, None, None, None, None, None, None
 
 

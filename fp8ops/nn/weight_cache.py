@@ -101,9 +101,13 @@ BACKWARD = 1  # a backward ran since the cast (values change only with the gener
 KEY = 2  # nothing more is needed (activation checkpointing's recompute of the same forward)
 
 
-def _vouched(entry: CachedCast, weight: torch.Tensor, values, generation: int,
-             trust: int) -> bool:
-    """Whether entry's cast is of the values weight holds now."""
+def _same_window(entry: CachedCast, weight: torch.Tensor, values, generation: int,
+                 trust: int) -> bool:
+    """Whether this forward belongs to the accumulation window of entry's cast, by what the
+    cache sees of the weight and its gradient (the key, the generation, the gradient voucher).
+    Inside a window a delayed-scaling weight role does not step again. This decides when the
+    scale moves, never whether a payload may be reused: that also needs a voucher nothing can
+    fool (lookup)."""
     if entry.generation != generation:
         return False
     if entry.payload is None:  # restored: stands for the weight until the generation moves
@@ -118,18 +122,29 @@ def _vouched(entry: CachedCast, weight: torch.Tensor, values, generation: int,
 
 
 def lookup(entry: Optional[CachedCast], weight: torch.Tensor, cast: Cast, live: bool,
-           generation: int, trust: int = GRADIENT, source: Optional[torch.Tensor] = None):
+           generation: int, trust: int = GRADIENT, source: Optional[torch.Tensor] = None,
+           held: bool = False):
     """(the entry to keep, the FP8 weight). live: this forward steps delayed scaling; a live
     forward recasts (and steps) a cast that did not step, such as one made in eval mode.
-    trust: what vouches for the values besides the key and the generation (module doc)."""
+    trust: what vouches for the values besides the key and the generation (module doc).
+    held: an optimizer's steps over the weight are seen (ScalingState.weight_held); without
+    that, no payload is reused: a gradient cannot tell a micro-batch from a hand-written loop's
+    next step after a `p.data` update."""
     where, values = weight_key(weight, source)
     inference = torch.is_inference_mode_enabled()
-    same = (entry is not None and (entry.stepped or not live)
-            and _vouched(entry, weight, values, generation, trust))
-    if (same and entry.payload is not None and entry.where == where
-            and (inference or not entry.inference)):
+    window = (entry is not None and (entry.stepped or not live)
+              and _same_window(entry, weight, values, generation, trust))
+    if (window and (held or trust == KEY) and entry.payload is not None
+            and entry.where == where and (inference or not entry.inference)):
         return entry, entry.payload
-    if same:
+    # Cast again with the entry's scale: a restored cast's; the same values elsewhere while an
+    # optimizer holds the weight (FSDP2's re-gathered copy of an unchanged sharded weight, a cast
+    # made under inference mode); or a delayed-scaling weight inside its window (the role steps
+    # once per window, held or not, so that the scales do not depend on it). Any other new
+    # storage is a new weight (p.data = ..., vector_to_parameters), and current scaling always
+    # takes the weight's own amax: cast from the values below.
+    if window and (entry.payload is None or ((held or entry.stepped) and (
+            source is not None or entry.where == where))):
         scale = None if entry.scale is None else entry.scale.clone()
         payload, scale = cast(weight, False, scale)
         # a restored entry is bound to the gradient as it is now (copied with the checkpoint)
