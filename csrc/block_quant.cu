@@ -1,6 +1,6 @@
 // Block-scaled quantizers: MXFP8 (E8M0 scale per block of block_size along one axis) and
-// blockwise (float32 scale_inv per block_rows x block_cols tile). Numerics: DESIGN.md section 5,
-// bit-exact with fp8ops/ops/emulation.py.
+// blockwise (float32 scale_inv per block_rows x block_cols tile). Numerics: docs/design.md, "Block
+// scaling", bit-exact with fp8ops/ops/emulation.py.
 #include "common.cuh"
 
 namespace fp8ops {

@@ -1,4 +1,4 @@
-// CPU kernels of the blockwise quantizer (DESIGN.md section 5) for the emulation: the two
+// CPU kernels of the blockwise quantizer (docs/design.md, "Blockwise") for the emulation: the two
 // full-size passes of emulation._quantize_blockwise_2d, each in one pass over x: the max |x| of
 // each [block_rows, block_cols] tile, and the cast of each element times its tile's multiplier.
 // The per-tile scale math between them stays in the emulation's tensor code (tiles are few).

@@ -1,5 +1,5 @@
 // Per-tensor cast kernels: amax, quantize (nearest / stochastic) with amax in the same pass,
-// the fused quantize + transpose + amax, and dequantize. Numerics: DESIGN.md sections 3-4.
+// the fused quantize + transpose + amax, and dequantize. Numerics: docs/design.md (casts, stochastic rounding).
 #include "byte_tile.cuh"
 
 namespace fp8ops {

@@ -238,11 +238,11 @@ __host__ __device__ __forceinline__ float exp2i(int e) {
   return f;
 }
 
-// Stochastic rounding of scaled y (DESIGN.md section 4), given the element's random word: the
+// Stochastic rounding of scaled y (docs/design.md, "Stochastic rounding"), given the element's random word: the
 // result as float32, an exact FP8 value (or NaN, or y itself for a signed zero).
 template <Fp8 F>
 __host__ __device__ __forceinline__ float stochastic_value(float y, uint32_t rnd) {
-  // DESIGN.md section 4 on the float32 bits, in integers: |y| = sig * 2^(e - 23) (sig the 24-bit
+  // The rounding on the float32 bits, in integers: |y| = sig * 2^(e - 23) (sig the 24-bit
   // significand), ulp = 2^ue, k = |y| / ulp = sig / 2^shift. floor(k) and the fraction are the
   // bits of sig above and below `shift`, and fraction > u = m / 2^24 (m = rnd >> 8) is an
   // integer comparison: low * 2^24 > m * 2^shift. The same result as the float formulation.
@@ -282,7 +282,7 @@ __device__ __forceinline__ uint8_t to_fp8_stochastic(float y, uint32_t rnd) {
   return to_fp8<F>(stochastic_value<F>(y, rnd));  // exact: an FP8 value
 }
 
-// ---- MXFP8 scale (DESIGN.md section 5; emulation.mx_exponent) -------------------------------
+// ---- MXFP8 scale (docs/design.md, "MXFP8"; emulation.mx_exponent) --------------------------
 struct MxScale {
   float mul;     // 2^-e
   uint8_t byte;  // e + 127, or 0xFF for a block holding NaN / inf
@@ -315,7 +315,7 @@ __device__ __forceinline__ uint8_t mx_quant(float v, const MxScale& s) {
   return s.bad ? kNanByte : to_fp8<F>(__fmul_rn(v, s.mul));
 }
 
-// ---- blockwise scales (DESIGN.md section 5; emulation.blockwise_scales) ----------------------
+// ---- blockwise scales (docs/design.md, "Blockwise"; emulation.blockwise_scales) -------------
 struct BlockScale {
   float scale, scale_inv;
   bool bad;

@@ -1,6 +1,6 @@
 // fp8ops kernel API: torch-free. Plain parameter structs (pointers, sizes, strides) and launch_*()
 // functions; every launch runs on the given stream and throws std::runtime_error on a CUDA error.
-// The only torch-aware C++ is torch_bindings.cpp. Numerics: DESIGN.md sections 3-5, with
+// The only torch-aware C++ is torch_bindings.cpp. Numerics: docs/design.md, with
 // fp8ops/ops/emulation.py as the bit-exact reference.
 #pragma once
 #include <cstdint>
@@ -38,7 +38,7 @@ struct QuantizeParams {
   float* amax;         // device, 1 element
   DType via = DType::kFloat32;  // kBFloat16 / kFloat16: x rounded to it first (kFloat32: as it is)
   bool stochastic;
-  uint64_t seed, offset;  // Philox key and counter high half (DESIGN.md section 4)
+  uint64_t seed, offset;  // Philox key and counter high half (docs/design.md, "Stochastic rounding")
   // device int64 [seed, offset] read by the kernel instead of seed and offset (nullptr: those):
   // a CUDA graph replays the stream the buffer holds at replay time
   const int64_t* rng = nullptr;

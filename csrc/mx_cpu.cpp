@@ -1,4 +1,4 @@
-// CPU kernel of quantize_mx (DESIGN.md section 5) for the emulation: one pass per block (its max
+// CPU kernel of quantize_mx (docs/design.md, "MXFP8") for the emulation: one pass per block (its max
 // |x|, the E8M0 exponent, the power-of-two multiply, the saturating round-to-nearest-even cast)
 // where fp8ops/ops/emulation.py makes about ten passes of tensor ops. Same bytes as the emulation
 // (tests/test_cpu_kernels.py): every step below is the emulation's integer or IEEE float32 step.

@@ -1,4 +1,4 @@
-// Philox4x32-10 and the per-element random words of stochastic rounding (DESIGN.md section 4).
+// Philox4x32-10 and the per-element random words of stochastic rounding (docs/design.md, "Stochastic rounding").
 // Torch-free and CUDA-free: the CUDA cast kernels (through common.cuh) and the CPU kernels
 // (stochastic_cpu.cpp, built by a plain C++ compiler) share this one definition.
 #pragma once

@@ -1,4 +1,4 @@
-// CPU kernel of stochastic rounding (DESIGN.md section 4) for the emulation: the whole of
+// CPU kernel of stochastic rounding (docs/design.md, "Stochastic rounding") for the emulation: the whole of
 // emulation._stochastic_fp8 in one pass, its random words from csrc/philox.h. The steps are the
 // emulation's own float32 operations, in its order (the clamp, ulp from |y|'s exponent field,
 // k = |y| / ulp, floor, the step up = ceil(k - floor(k) - u), (floor(k) + up) * ulp, the sign),
