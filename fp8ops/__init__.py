@@ -4,11 +4,11 @@ Exact emulation everywhere (CPU, any GPU), CUDA cast kernels on sm_89+, a CUTLAS
 Hopper. See README.md; the numerics are those of docs/design.md, with the finer choices in
 docs/numerics.md.
 
-Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), nn/ (autograd
-Functions, fp8ops.linear, FP8Linear and convert_to_fp8), optim/ (CPU offload of masters and
-optimizer state), distributed/ (FSDP2 and tensor parallelism). Beside them: formats, scaling
-(recipes and ScalingState), amax_reduction (the amax all-reduce at the end of each backward
-pass), tensors (quantize / gemm), monitoring and memory.
+Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), scaling/ (the
+recipes, ScalingState and the weight cache), nn/ (autograd Functions, fp8ops.linear, FP8Linear
+and convert_to_fp8), optim/ (CPU offload of masters and optimizer state), distributed/ (FSDP2,
+tensor parallelism and the amax all-reduces). Beside them: formats, tensors (quantize / gemm),
+monitoring and memory.
 """
 import sys
 
@@ -17,14 +17,19 @@ from .formats import E4M3, E5M2, FP8Format
 from .monitoring import monitor, stats, unmonitor
 from .nn.fallback import Crossover
 from .nn.functional import linear
-from .nn.modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
-                         plain_state_dict)
+from .nn.modules import (SHARDED_WEIGHT_HOOKS, FP8Conv1D, FP8Linear, convert_from_fp8,
+                         convert_to_fp8, plain_state_dict)
 from .ops.backend import backend
 from .optim.offload import CPUOffloadOptimizer
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState)
 from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,
                       quantize_blockwise, quantize_mx)
+from .distributed import on_sharded_weight
+
+# the layers know nothing of FSDP2: its FP8 all-gather installs itself on their sharded weights
+SHARDED_WEIGHT_HOOKS.append(on_sharded_weight)
+del SHARDED_WEIGHT_HOOKS, on_sharded_weight
 
 __version__ = "0.1.0"
 
@@ -34,7 +39,9 @@ _MOVED = {
     "fp8ops.fallback": "fp8ops.nn.fallback",
     "fp8ops.host_weight": "fp8ops.optim.host_weight",
     "fp8ops.modules": "fp8ops.nn.modules",
-    "fp8ops.weight_cache": "fp8ops.nn.weight_cache",
+    "fp8ops.weight_cache": "fp8ops.scaling.weight_cache",
+    "fp8ops.nn.weight_cache": "fp8ops.scaling.weight_cache",
+    "fp8ops.amax_reduction": "fp8ops.distributed.amax_reduction",
 }
 sys.modules.update({old: sys.modules[new] for old, new in _MOVED.items()})
 

@@ -51,9 +51,7 @@ def fp8_weight_tensors(layer) -> list:
     """What an FP8Linear keeps on its device for its weight: the weight parameter (a one-element
     placeholder when a CPUOffloadOptimizer owns it), its gradient, and the cached FP8 cast (data,
     transposed copy, scales) that forwards reuse until the next optimizer step."""
-    entry = layer.fp8_state._weight_cache
-    payload = None if entry is None else entry.payload
-    return [layer.weight, layer.weight.grad, *_tensors(payload)]
+    return [layer.weight, layer.weight.grad, *layer.fp8_state.weight_cache.payload_tensors()]
 
 
 def fp8_weight_bytes(layer) -> int:

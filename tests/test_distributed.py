@@ -4,7 +4,7 @@ write their results to files; the assertions run here, in the pytest process.
 
 The model is Linear(32, 64) -> GELU -> Linear(64, 16), both FP8Linear with DelayedScaling. Rank r
 scales its inputs by (1 + 3r), so the ranks see different amax and only the all-reduce (MAX) of
-the recorded amaxes (one per backward pass for every layer: fp8ops.amax_reduction) can make their
+the recorded amaxes (one per backward pass for every layer: fp8ops.distributed.amax_reduction) can make their
 scales agree. DDP runs with its defaults (buffers broadcast from rank 0 before every forward):
 that is harmless only because every fp8 buffer is identical on every rank between steps."""
 from __future__ import annotations
@@ -124,9 +124,9 @@ def stale_weight_casts(model):
         st = layer.fp8_state
         w = layer.weight.full_tensor()
         # the scale the cast used (the first cast's is a warm start, not the role's scale)
-        scale = st._weight_cache.scale
+        scale = st.weight_cache.entry.scale
         data = torch.ops.fp8ops.quantize(w, scale, torch.float8_e4m3fn, False)[0]
-        out.append(not torch.equal(st._weight_cache[1][0].view(torch.uint8),
+        out.append(not torch.equal(st.weight_cache.entry.payload[0].view(torch.uint8),
                                    data.view(torch.uint8)))
     return out
 
@@ -181,7 +181,7 @@ def _fsdp_single_worker(rank, out_dir):
             x = torch.randn(8, 256) if step < 4 else torch.randn(2, 4, 256)
             loss = model(x).square().mean()
             for layer in (model[0], model[2]):
-                cache = layer.fp8_state._weight_cache[1]
+                cache = layer.fp8_state.weight_cache.entry.payload
                 fresh = fp8ops.quantize(layer.weight.full_tensor(), "e4m3")  # current scaling
                 stale.append(not torch.equal(cache[0].view(torch.uint8),
                                              fresh.data.view(torch.uint8)))

@@ -32,7 +32,7 @@ def test_a_small_call_is_nn_linear_and_touches_no_fp8_state(recipe):
                                          fallback=fp8ops.Crossover(min_tokens=32))
     layer(torch.randn(40, 64)).sum().backward()  # FP8: state started, weight cast cached
     layer.zero_grad()
-    before, cache = _state_tensors(layer), layer.fp8_state._weight_cache
+    before, cache = _state_tensors(layer), layer.fp8_state.weight_cache.entry
     x = torch.randn(2, 8, 64, requires_grad=True)  # 16 tokens: below the crossover
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), ref(x_ref)
@@ -45,7 +45,7 @@ def test_a_small_call_is_nn_linear_and_touches_no_fp8_state(recipe):
     assert torch.equal(layer.bias.grad, ref.bias.grad)
     after = _state_tensors(layer)
     assert all(torch.equal(before[k], after[k]) for k in before), "the FP8 state moved"
-    assert layer.fp8_state._weight_cache.payload is cache.payload  # the cast is kept
+    assert layer.fp8_state.weight_cache.entry.payload is cache.payload  # the cast is kept
     assert layer.fp8_state.high_precision_calls == 1
 
 

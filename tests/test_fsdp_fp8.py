@@ -146,6 +146,13 @@ def _rank_data_worker(rank, out_dir):
             F.mse_loss(model(x), y).backward()
         res["bytes", fp8] = count.bytes["all_gather"]
         res["all_reduces", fp8] = count.calls["all_reduce"]
+    for fp8 in (True, False):  # delayed scaling: the weights' amaxes join the end of backward's
+        model = shard(make_model(RECIPES["delayed"], fp8_all_gather=fp8))
+        train(model, rank)
+        with CommCount() as count:  # a step after the warm start, counted
+            x, y = batch(7, 0, rank)
+            F.mse_loss(model(x), y).backward()
+        res["delayed_all_reduces", fp8] = count.calls["all_reduce"]
     for fp8 in (True, False):  # recipes whose scales differ: the batched scale math splits
         model = shard(mixed_model(fp8))
         res["mixed", fp8] = {"losses": train(model, rank), "state": full_state(model)}
@@ -197,13 +204,13 @@ def _world1_worker(rank, out_dir):
         model = shard(make_model(RECIPES["current"]), reshard)
         x, y = batch(0, 0)
         loss = F.mse_loss(model(x), y)
-        kept = [model[i].fp8_state._gathered_shard is not None for i in (0, 2, 4)]
+        kept = [model[i].fp8_state.weight_cache.kept is not None for i in (0, 2, 4)]
         loss.backward()
-        res["kept", reshard] = (kept, [model[i].fp8_state._gathered_shard is None
+        res["kept", reshard] = (kept, [model[i].fp8_state.weight_cache.kept is None
                                        for i in (0, 2, 4)])
         with torch.no_grad():  # no backward follows: nothing kept
             model(x)
-        res["kept_no_grad", reshard] = [model[i].fp8_state._gathered_shard is None
+        res["kept_no_grad", reshard] = [model[i].fp8_state.weight_cache.kept is None
                                         for i in (0, 2, 4)]
     return res
 
@@ -309,6 +316,13 @@ def test_one_amax_all_reduce_per_step_for_all_layers(rank_data):
     # CurrentScaling: the three weights' amaxes in one collective; nothing else all-reduces
     assert rank_data[0]["all_reduces", True] == 1
     assert rank_data[0]["all_reduces", False] == 0
+
+
+def test_delayed_scaling_makes_one_amax_all_reduce_per_step(rank_data):
+    """The weights' amaxes are recorded on each rank and folded in by the one all-reduce at the
+    end of the backward pass, with the inputs' and gradients', under either gather."""
+    for res in rank_data:
+        assert res["delayed_all_reduces", True] == 1 == res["delayed_all_reduces", False]
 
 
 @pytest.mark.parametrize("name", ["current", "delayed"])

@@ -174,7 +174,7 @@ def test_weight_cache_tells_a_transposed_view_from_the_weight(name):
     fp8ops.linear(x, w, state=st)
     ref_state = fp8ops.ScalingState(recipe)  # the same state, without the cached cast of w
     ref_state.load_state_dict(st.state_dict())
-    ref_state._weight_cache = None
+    ref_state.weight_cache.invalidate()
     got = fp8ops.linear(x, w.t(), state=st)  # same storage, version and shape; other strides
     assert torch.equal(got, fp8ops.linear(x, w.t(), state=ref_state))
     assert not torch.equal(got, fp8ops.linear(x, w, state=st))

@@ -53,6 +53,21 @@ def test_convert_to_fp8_shares_parameters_and_filters():
     assert isinstance(single, fp8ops.FP8Linear)
     with pytest.raises(TypeError, match="recipe must be"):
         fp8ops.convert_to_fp8(Block(), recipe="delayed")
+    with pytest.raises(TypeError, match=r"pass an instance: DelayedScaling\(\)"):
+        fp8ops.convert_to_fp8(Block(), fp8ops.DelayedScaling)
+
+
+def test_print_shows_the_recipe_once_and_each_layer_its_name():
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    model = fp8ops.convert_to_fp8(Block(), recipe)
+    text = repr(model)
+    assert text.count(repr(recipe)) == 1
+    assert "fp8ops: 3 FP8 layers, recipe=" + repr(recipe) in text
+    assert text.count("recipe=DelayedScaling\n") == 3
+    copied = copy.deepcopy(model)
+    assert repr(copied) == text and copied.extra_repr.module is copied
+    fp8ops.convert_from_fp8(model)
+    assert "fp8ops" not in repr(model)
 
 
 def _train(model, steps, seed, opt=None):

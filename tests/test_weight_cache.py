@@ -7,6 +7,7 @@ state with no cached cast at all: that is the check used throughout.
 """
 import contextlib
 import copy
+import gc
 import threading
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 import fp8ops
-from fp8ops import scaling
+from fp8ops.scaling import WeightCache
+from fp8ops.scaling import state as scaling_state
 
 RECIPES = [fp8ops.CurrentScaling(), fp8ops.DelayedScaling(amax_history_len=4),
            fp8ops.CurrentScaling(grad_rounding="stochastic"), fp8ops.MXFP8Scaling(),
@@ -31,7 +33,7 @@ def _mlp(recipe, seed=0):
 def _fresh_output(layer, x):
     """layer(x) as a layer with the same state but no cached weight cast computes it."""
     state = copy.deepcopy(layer.fp8_state)
-    state._weight_cache = None
+    state.weight_cache.invalidate()
     state.recording = layer.training
     return fp8ops.linear(x, layer.weight, layer.bias, state=state)
 
@@ -117,7 +119,7 @@ def test_accumulation_casts_the_weight_once_per_window(recipe):
         payloads = []
         for _ in range(3):
             layer(x).sum().backward()
-            payloads.append(layer.fp8_state._weight_cache.payload)
+            payloads.append(layer.fp8_state.weight_cache.entry.payload)
         if window == 0:
             assert payloads[1] is not payloads[0] and payloads[2] is not payloads[1]
         else:
@@ -229,16 +231,15 @@ def test_threads_training_their_own_models_match_sequential_runs(recipe):
 
 def test_cuda_graph_capture_never_reuses_a_cast_from_the_host(monkeypatch):
     """Under capture the cast is recorded into the graph (replays read the weight's memory)."""
-    from fp8ops import scaling
     layer = fp8ops.FP8Linear(32, 16)
     x = torch.randn(8, 32)
     layer(x).sum().backward()
-    cached = layer.fp8_state._weight_cache
-    monkeypatch.setattr(scaling, "_capturing", lambda w: True)
+    cached = layer.fp8_state.weight_cache.entry
+    monkeypatch.setattr(scaling_state, "_capturing", lambda w: True)
     layer(x).sum().backward()
-    assert layer.fp8_state._weight_cache.payload is cached.payload  # captured casts: not kept
+    assert layer.fp8_state.weight_cache.entry.payload is cached.payload  # captured casts: not kept
     calls = []
-    monkeypatch.setattr(scaling.weight_cache, "lookup", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(WeightCache, "lookup", lambda *a, **k: calls.append(a))
     layer(x)
     assert not calls
 
@@ -263,7 +264,7 @@ def test_follow_stream_orders_a_state_after_its_last_stream(monkeypatch):
     current = {"s": _FakeStream("a")}
     recorded = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["s"])
-    monkeypatch.setattr(scaling, "_stream_key", lambda device: current["s"].name)
+    monkeypatch.setattr(scaling_state, "_stream_key", lambda device: current["s"].name)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current["s"].capturing)
 
     @contextlib.contextmanager
@@ -284,7 +285,7 @@ def test_follow_stream_orders_a_state_after_its_last_stream(monkeypatch):
     a, current["s"] = current["s"], _FakeStream("b")
     state.follow_stream(cuda)
     assert current["s"].waited == ["a"]
-    payload = [t for t in state._weight_cache.payload if isinstance(t, torch.Tensor)]
+    payload = state.weight_cache.payload_tensors()
     assert sorted(recorded) == sorted((t.data_ptr(), "b") for t in payload)
     state.follow_stream(torch.device("cpu"))  # no streams on the CPU
     assert current["s"].waited == ["a"]
@@ -533,3 +534,64 @@ def test_a_new_storage_is_cast_with_its_own_amax(recipe):
     layer(x).sum().backward()
     layer.weight.data = 3 * layer.weight.data
     _assert_fresh(layer, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# WeightCache's own API
+# ---------------------------------------------------------------------------------------------
+def test_vouch_reuses_the_cast_of_a_weight_no_optimizer_holds():
+    """A frozen weight is cast every forward, unless the caller vouches for it; a write the
+    version counter shows, or invalidate(), ends the voucher."""
+    layer = fp8ops.FP8Linear(32, 16).requires_grad_(False)
+    x = torch.randn(8, 32)
+    cache = layer.fp8_state.weight_cache
+    layer(x)
+    first = cache.entry.payload
+    layer(x)
+    assert cache.entry.payload is not first  # no optimizer, no backward: cast again
+    cache.vouch()
+    kept = cache.entry.payload
+    for _ in range(2):
+        layer(x)
+        assert cache.entry.payload is kept
+    with torch.no_grad():
+        layer.weight.mul_(2)  # seen by the version counter
+    _assert_fresh(layer, x)
+    cache.vouch()
+    kept = cache.entry.payload
+    layer.weight.data.mul_(2)  # not seen: the caller's word was wrong until it says so
+    cache.invalidate()
+    _assert_fresh(layer, x)
+    assert cache.entry.payload is not kept
+
+
+def test_invalidate_ends_a_window_an_optimizer_would_have_continued():
+    layer = fp8ops.FP8Linear(32, 16)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    opt.step()  # the optimizer holds the weight now
+    layer(x).sum().backward()
+    cached = layer.fp8_state.weight_cache.entry.payload
+    layer(x).sum().backward()
+    assert layer.fp8_state.weight_cache.entry.payload is cached  # inside the window: reused
+    layer.weight.data.add_(1.0)  # unseen, mid-window
+    layer.fp8_state.weight_cache.invalidate()
+    _assert_fresh(layer, x)
+
+
+def test_a_dead_optimizer_holds_nothing():
+    layer = fp8ops.FP8Linear(32, 16)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    opt.step()
+    cache = layer.fp8_state.weight_cache
+    assert cache.is_held(layer.weight)
+    del opt
+    gc.collect()  # (an optimizer may sit in a reference cycle)
+    assert not cache.is_held(layer.weight)
+    layer(x).sum().backward()
+    first = cache.entry.payload
+    layer(x).sum().backward()
+    assert cache.entry.payload is not first

@@ -1,3 +1,32 @@
 """FP8 training on torch.distributed's own engines: FSDP2's FP8 weight all-gather (fsdp.py) and
-DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py). Public names are re-exported
-at fp8ops.* lazily, so that `import fp8ops` does not import torch.distributed.tensor."""
+DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py), both built on the layers; and
+beneath the layers, the amax all-reduces the scaling state makes (amax.py: one amax over the
+ranks or the shards of a tensor; amax_reduction.py: one all-reduce per backward pass for every
+delayed-scaling layer). Public names are re-exported at fp8ops.* lazily, so that `import fp8ops`
+does not import torch.distributed.tensor."""
+
+
+import weakref
+
+# layer -> the process groups (by id) whose ranks have compared its recipe (agreement.py)
+_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def on_sharded_weight(layer, dtensor) -> None:
+    """An FP8Linear was given a DTensor weight (FSDP2's sharded parameter, or a tensor-parallel
+    style's): the first time, check that every rank of its mesh converted the layer with the
+    same recipe (every rank shards the same layers in the same order); then have FSDP2 gather it
+    in FP8 where the recipe allows. Registered by fp8ops in nn.modules.SHARDED_WEIGHT_HOOKS;
+    fsdp.py is imported with the first DTensor weight."""
+    agreed = _AGREED.setdefault(layer, set())
+    mesh = dtensor.device_mesh
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if id(group) not in agreed:
+            from .agreement import check_recipes
+            agreed.add(id(group))
+            check_recipes(layer.recipe, group, once=False,
+                          what=f"an FP8Linear({layer.in_features}, {layer.out_features})")
+    from . import fsdp
+    if fsdp.gathers_fp8(layer, dtensor):
+        fsdp.install(layer, dtensor)

@@ -34,11 +34,11 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-from ..nn import weight_cache
 from ..nn.autograd import in_recompute
 from ..nn.functional import linear
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, _all_reduce_amax,
-                       current_scale, recipe_formats)
+from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, current_scale,
+                       recipe_formats, weight_cache)
+from .amax import all_reduce_amax
 from .tensor_parallel import TP_WEIGHT
 
 _ops = torch.ops.fp8ops
@@ -82,6 +82,20 @@ def install(layer, dtensor: DTensor) -> None:
     if not isinstance(local, FP8WeightShard):
         dtensor._local_tensor = FP8WeightShard(local, layer)
         _register(layer)
+    if layer not in _HOOKED:
+        _HOOKED.add(layer)
+        layer.register_state_dict_post_hook(_plain_weight)
+
+
+# the layers whose state_dict unwraps their FP8WeightShard
+_HOOKED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _plain_weight(layer, state_dict, prefix, local_metadata) -> None:
+    """A checkpoint holds the plain shard, not the FP8 all-gather's wrapper."""
+    weight = state_dict.get(prefix + "weight")
+    if isinstance(weight, DTensor):
+        state_dict[prefix + "weight"] = plain_local(weight)
 
 
 def plain_local(dtensor: DTensor) -> DTensor:
@@ -141,8 +155,9 @@ class FP8WeightShard(torch.Tensor):
                                     scale_inv.view(torch.uint8).flatten()])
                 return (packed,), meta
             return (data.view(torch.uint8), scale_inv), meta
-        scale, decision = _window_scale(layer, dtype, self._data.device)
-        data = _shard_bytes(layer.fp8_state, self._data, dtype, scale, decision, fwd.dtype, rows)
+        scale, decision, record = _window_scale(layer, dtype, self._data.device)
+        data = _shard_bytes(layer.fp8_state, self._data, dtype, scale, decision, fwd.dtype, rows,
+                            record)
         return (data.view(torch.uint8),), ("tensor", fwd.dtype, (scale, decision))
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -218,13 +233,11 @@ class FP8GatheredWeight(torch.Tensor):
         forward (an eval forward's cast that did not step, or a cast no backward has vouched
         for since a training forward used it): the caller then casts high_precision()."""
         if self._decision is not None and state is not None:
-            entry = state._weight_cache
-            if not _fits(entry, self._decision, state, live):
+            cache = state.weight_cache
+            if not _fits(cache.entry, self._decision, cache, live):
                 return None
-            if live:
-                param = weight_cache.leaf(self)
-                state._weight_cache = entry._replace(consumed=True, param=weakref.ref(param))
-                state._hook_gradient(param)  # the backward that vouches for the next forward
+            if live:  # its backward vouches for the next forward
+                cache.consume(weight_cache.leaf(self), live)
         data = self._data.contiguous()
         data_t = _ops.transpose_fp8(data)
         if self._kind == "tensor":
@@ -236,106 +249,120 @@ class FP8GatheredWeight(torch.Tensor):
         sharded parameter (DTensor.full_tensor()) and cast as a single process would (`cast`:
         the layer's weight cast). The cast's scale then serves FSDP2's next gathers of the
         window, vouched for by this weight's backward."""
-        values = state.source().full_tensor().to(self.dtype)
+        cache = state.weight_cache
+        values = cache.source_tensor().full_tensor().to(self.dtype)
         if self.stride(0) < self.stride(1):  # FP8Conv1D's transposed view
             values = values.t()
         payload = state.cached_weight(values, cast, live, recompute)
-        param = weight_cache.leaf(self)
-        state._decisions += 1
-        state._weight_cache = state._weight_cache._replace(
-            gathered=state._decisions, consumed=live, param=weakref.ref(param))
-        state._gathered_key = _values_key(state)
-        state._hook_gradient(param)
+        gather = _gather_state(cache)
+        gather.decisions += 1
+        cache.consume(weight_cache.leaf(self), live, gather.decisions)
+        gather.key = _values_key(cache)
         return payload
 
 
 def _shard_bytes(state, local: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
-                 decision: int, fp8_dtype: torch.dtype, rows: int) -> torch.Tensor:
+                 decision: int, fp8_dtype: torch.dtype, rows: int,
+                 record: bool = False) -> torch.Tensor:
     """This rank's shard, in `dtype`, cast with the window's scale and padded to FSDP2's `rows`.
     A forward's gather keeps its bytes for the backward's re-gather (FSDP2 resharded after
     forward), which takes them instead of casting again: the same decision of the same values
     (nothing may change a weight between a forward and its backward) gives the same bytes.
     FSDP2 only reads them (it copies them into its all-gather buffer). The backward releases
-    them (ScalingState.release_gathered_shard), re-gathered or not."""
-    key = (decision, _values_key(state), dtype)
+    them (WeightCache.release), re-gathered or not."""
+    cache = state.weight_cache
+    key = (decision, _values_key(cache), dtype)
     backward = torch._C._current_graph_task_id() != -1
     if backward:
-        kept, state._gathered_shard = state._gathered_shard, None
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        kept = cache.take(key)
+        if kept is not None:
+            return kept
     # rounded to the gather's dtype inside the cast: no converted copy of the shard first
     via = None if local.dtype == dtype else dtype
-    data = _ops.quantize(local, scale, fp8_dtype, via=via)[0]
+    data, _, amax = _ops.quantize(local, scale, fp8_dtype, via=via)
+    if record:  # the shard's amax, as the cast read it, recorded on this rank only: the
+        # all-reduce at the end of the backward pass folds every rank's in with the other roles'
+        # records (amax_reduction), so a step makes one amax all-reduce, not one more for these
+        amax = amax.to(state.weight.pending_amax.device, torch.float32)  # (a host shard too)
+        state.weight.record_reduced(amax, torch.isfinite(amax))
+        state.record_locally("weight")
     if data.shape[0] != rows:  # an uneven shard: FSDP2 gathers equal pieces
         padded = data.new_zeros((rows, *data.shape[1:]))
         padded[:data.shape[0]] = data
         data = padded
     # kept only for a backward that may follow (none under no_grad, eval or inference)
     keep = not backward and torch.is_grad_enabled()
-    state._gathered_shard = (key, data) if keep else None
+    cache.keep(key, data if keep else None)
     return data
 
 
-def _fits(entry, decision: int, state, live: bool) -> bool:
+def _fits(entry, decision: int, cache, live: bool) -> bool:
     """Whether the gathered cast with this decision number serves this forward."""
-    if entry is None or entry.gathered != decision or entry.generation != state.weight_generation:
+    if entry is None or entry.gathered != decision or entry.generation != cache.value:
         return False
     return not live or (entry.stepped and (not entry.consumed or
                                            entry.mark is not weight_cache.NO_MARK))
 
 
-def _reusable(entry, state, live: bool, key) -> bool:
+def _reusable(entry, cache, live: bool, key) -> bool:
     """Whether a gather may cast with entry's scale instead of deciding a new one. A training
     forward steps delayed scaling once per accumulation window, as a single process does: it
     reuses a stepped scale that is fresh or vouched for by a backward since (frozen weights
-    step every forward), or one restored from a checkpoint."""
-    if (entry is None or entry.scale is None or entry.generation != state.weight_generation
-            or state._gathered_key not in (key, None)):
+    step every forward), or one restored from a checkpoint (whatever values it was decided
+    for: the restored generation's)."""
+    if entry is None or entry.scale is None or entry.generation != cache.value:
         return False
-    if not live:
-        return True
-    if weight_cache.is_restored(entry):
+    decided = _gather_state(cache).key  # (a key of an older generation: restored since)
+    if not cache.restored and decided is not None and decided[0] == cache.value \
+            and decided != key:
+        return False
+    if not live or cache.restored:
         return True
     vouched = entry.mark is not weight_cache.NO_MARK
     return entry.stepped and (vouched or (entry.gathered and not entry.consumed))
 
 
 def _window_scale(layer, dtype: torch.dtype, device: torch.device):
-    """(scale, decision number) of this gather's per-tensor cast: decided once per accumulation
-    window (a delayed-scaling layer steps its weight role then) and reused by every gather until
-    the weight changes (an optimizer step over it, an in-place write, a checkpoint load)."""
+    """(scale, decision number, record) of this gather's per-tensor cast: decided once per
+    accumulation window (a delayed-scaling layer steps its weight role then) and reused by every
+    gather until the weight changes (an optimizer step over it, an in-place write, a checkpoint
+    load). record: the cast records its shard's amax in the stepped weight role."""
     state, recipe = layer.fp8_state, layer.recipe
+    cache = state.weight_cache
+    gather = _gather_state(cache)
     live = layer.training and state.delayed and not in_recompute()
-    key = _values_key(state)
-    entry = state._weight_cache
-    if _reusable(entry, state, live, key):
-        state._gathered_key = key
+    key = _values_key(cache)
+    entry = cache.entry
+    if _reusable(entry, cache, live, key):
+        gather.key = key
         if not entry.gathered:  # a restored or fallback cast's scale: number it
-            state._decisions += 1
-            entry = state._weight_cache = entry._replace(gathered=state._decisions)
-        return entry.scale, entry.gathered
+            gather.decisions += 1
+            cache.number_decision(gather.decisions)
+        return entry.scale, cache.entry.gathered, False
     fwd, _ = recipe_formats(recipe)
     role = state.weight if state.delayed else None
-    if role is not None and role.started and not live:
-        scale = role.scale.clone()  # no amax needed: no collective
-    else:
-        amax, finite, own_scale = _global_amax(layer, key, dtype, device)
-        if role is not None and live:
+    record = False
+    if role is not None and role.started:
+        if live:
             if state.needs_reduce("weight"):  # a local record (a recast) must count first
                 state.reduce_records()
             role.update(recipe, fwd, recipe.margin)
-        if role is not None and role.started:
-            scale = role.scale.clone()
-        else:  # current scaling, or a delayed-scaling warm start: the weight's own amax
-            scale = own_scale if own_scale is not None else _own_scale(recipe, amax, finite)
+            record = True  # by the cast (_shard_bytes)
+        scale = role.scale.clone()  # the history's: no amax needed before the cast
+    else:  # current scaling, or a delayed-scaling warm start: the weight's own amax
+        amax, finite, own_scale = _global_amax(layer, key, dtype, device)
+        if role is not None and live:
+            if state.needs_reduce("weight"):
+                state.reduce_records()
+            role.update(recipe, fwd, recipe.margin)
+        scale = own_scale if own_scale is not None else _own_scale(recipe, amax, finite)
         if role is not None and live:
             role.record_reduced(amax, finite)
             role.started = True
-    state._decisions += 1
-    state._weight_cache = weight_cache.CachedCast(None, None, scale, live, state.weight_generation,
-                                                  gathered=state._decisions)
-    state._gathered_key = key
-    return scale, state._decisions
+    gather.decisions += 1
+    cache.store_decision(scale, stepped=live, number=gather.decisions)
+    gather.key = key
+    return scale, gather.decisions, record
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,15 +379,37 @@ def _register(layer) -> None:
     _GATHERING.append(weakref.ref(layer))
 
 
-def _values_key(state) -> tuple:
+class _GatherState:
+    """What the FP8 gather of one layer's weight keeps between calls: the values key its decided
+    scale is for, the weight's amax as the last batched all-reduce left it (values key, amax,
+    finite, (dtype and device, rounded amax, scale)), and how many scales it decided (numbers
+    them). Dropped with the cache (a copy's cache starts without one)."""
+
+    __slots__ = ("key", "amax", "decisions", "__weakref__")
+
+    def __init__(self):
+        self.key, self.amax, self.decisions = None, None, 0
+
+
+_GATHER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _gather_state(cache) -> _GatherState:
+    gather = _GATHER.get(cache)
+    if gather is None:
+        gather = _GATHER[cache] = _GatherState()
+    return gather
+
+
+def _values_key(cache) -> tuple:
     """What identifies the weight's values: the layer's weight generation, the sharded parameter
     (the DTensor the optimizer updates) and its version."""
-    source = state.source()
-    return state.weight_generation, id(source), source._version
+    source = cache.source_tensor()
+    return cache.value, id(source), source._version
 
 
 def _group(state):
-    return state.source().device_mesh.get_group()
+    return state.weight_cache.source_tensor().device_mesh.get_group()
 
 
 def _global_amax(layer, key: tuple, dtype: torch.dtype, device: torch.device):
@@ -371,10 +420,10 @@ def _global_amax(layer, key: tuple, dtype: torch.dtype, device: torch.device):
     weight changed, in one collective: those stepped by the same optimizer step as this one (a
     model's layers; never a model no longer trained, which one rank may have collected and
     another not yet). Before its first optimizer step a layer all-reduces its own."""
-    state = layer.fp8_state
-    if state._gathered_amax is None or state._gathered_amax[0] != key:
+    gather = _gather_state(layer.fp8_state.weight_cache)
+    if gather.amax is None or gather.amax[0] != key:
         _reduce_changed(layer, device, dtype)
-    _, amax, finite, made = state._gathered_amax
+    _, amax, finite, made = gather.amax
     if made is not None and made[0] == (dtype, device):
         return made[1], finite, made[2]
     return amax.to(device=device, dtype=dtype).float(), finite.to(device), None
@@ -393,24 +442,27 @@ def _reduce_changed(layer, device: torch.device, dtype: torch.dtype) -> None:
     rounding to dtype and the scales are made for all the layers at once (a handful of ops per
     step, not per layer); a layer whose cast reads another dtype makes its own."""
     group = _group(layer.fp8_state)
-    serial = getattr(layer.fp8_state._generation, "step_serial", None)
+    serial = layer.fp8_state.weight_cache.generation.step_serial
     layers, keys = [], []
     others = [] if serial is None else [ref() for ref in _GATHERING]
     for other in others + ([] if layer in others else [layer]):
         if other is None or isinstance(other.recipe, BlockwiseScaling):
             continue
-        state = other.fp8_state
-        if state.source is None or state.source() is None or _group(state) is not group:
+        cache = other.fp8_state.weight_cache
+        if cache.source_tensor() is None or _group(other.fp8_state) is not group:
             continue
-        if other is not layer and getattr(state._generation, "step_serial", None) != serial:
-            continue
-        key = _values_key(state)
-        if state._gathered_amax is None or state._gathered_amax[0] != key:
+        if other is not layer and (cache.generation.step_serial != serial or (
+                other.fp8_state.delayed and other.fp8_state.weight.started)):
+            continue  # (a started delayed-scaling role records its shard's amax: no collective)
+        key = _values_key(cache)
+        amax = _gather_state(cache).amax
+        if amax is None or amax[0] != key:
             layers.append(other)
             keys.append(key)
-    local = torch.stack([_ops.amax(other.fp8_state.source()._local_tensor._data).to(device)
-                         for other in layers])
-    amax, finite = _all_reduce_amax(local, group)
+    local = torch.stack([
+        _ops.amax(other.fp8_state.weight_cache.source_tensor()._local_tensor._data).to(device)
+        for other in layers])
+    amax, finite = all_reduce_amax(local, group, recipe=layer.recipe)
     rounded = amax.to(dtype).float()
     # scales only for the layers that take their own amax's (a started delayed-scaling role
     # takes its history's), and in one go only when they are one function of the amax
@@ -419,7 +471,7 @@ def _reduce_changed(layer, device: torch.device, dtype: torch.dtype) -> None:
     scales = _own_scale(layers[0].recipe, rounded, finite) if wanted and len(kinds) == 1 \
         else None
     for i, (other, key) in enumerate(zip(layers, keys)):
-        other.fp8_state._gathered_amax = (key, amax[i], finite[i], (
+        _gather_state(other.fp8_state.weight_cache).amax = (key, amax[i], finite[i], (
             (dtype, device), rounded[i], None if scales is None else scales[i]))
 
 

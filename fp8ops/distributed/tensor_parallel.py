@@ -37,12 +37,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel)
 
 from ..formats import get_format
-from ..nn import weight_cache
 from ..nn.autograd import linear_per_tensor, output_dtype
 from ..nn.functional import linear
 from ..nn.modules import FP8Conv1D, FP8Linear
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
-                       current_scale, shard_amax)
+                       current_scale, weight_cache)
+from .amax import shard_amax
 
 __all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput"]
 
@@ -127,7 +127,7 @@ def _vouch(state_ref, param) -> None:
     shard may be reused while that gradient stays (the weight cache's gradient voucher)."""
     state = state_ref()
     if state is not None:
-        state.weight_grad_accumulated(param._local_tensor)
+        state.weight_cache.grad_accumulated(param._local_tensor)
         _MARKS[state] = (weakref.ref(param), weight_cache.grad_mark(param))
 
 
@@ -155,7 +155,7 @@ def _end_stale_cast(module: FP8Linear) -> None:
     if (marked is not None and marked[0]() is weight and getattr(weight, TP_WEIGHT, False)
             and not weight_cache.mark_matches(marked[1], weight)):
         del _MARKS[state]
-        state._generation.value += 1  # the weight's values may have changed
+        state.weight_cache.invalidate()  # the weight's values may have changed
 
 
 def _before_state_dict(module: FP8Linear, prefix, keep_vars) -> None:
@@ -336,7 +336,7 @@ class _FP8AllGather(torch.autograd.Function):
                              f"which the FP8 all-gather needs")
         local = x.to_local().contiguous()
         fmt = get_format(recipe.fwd_fmt)
-        amax = shard_amax(_ops.amax(local), mesh)  # the whole activation's
+        amax = shard_amax(_ops.amax(local), mesh, recipe)  # the whole activation's
         scale = current_scale(amax, fmt, recipe.margin, recipe.power_of_two)
         data = _all_gather_bytes(_ops.quantize(local, scale, fmt.dtype, False)[0], dim, mesh)
         # what any other reader of the input sees: the FP8 values, in the input's dtype

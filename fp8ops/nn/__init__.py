@@ -1,8 +1,11 @@
 """The FP8 layers: autograd.py (the autograd Functions of the FP8 linear layer, one per recipe
 kind), functional.py (fp8ops.linear), modules.py (FP8Linear, FP8Conv1D, convert_to_fp8),
-weight_cache.py (the cached FP8 weight), fallback.py (which calls run in high precision) and
-cast_stats.py (one cast's statistics, for fp8ops.monitor).
+fallback.py (which calls run in high precision) and cast_stats.py (one cast's statistics, for
+fp8ops.monitor). Built on fp8ops.scaling (the recipes, the state, the weight cache)."""
+from .fallback import Crossover
+from .functional import linear
+from .modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
+                      plain_state_dict)
 
-Imports nothing: fp8ops.scaling imports nn.weight_cache, and an import of the layers here would
-bring autograd, which imports fp8ops.scaling, into that import (a circle).
-"""
+__all__ = ["Crossover", "FP8Conv1D", "FP8Linear", "convert_from_fp8", "convert_to_fp8", "linear",
+           "plain_state_dict"]

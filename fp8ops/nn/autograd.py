@@ -15,9 +15,10 @@ from typing import Optional
 
 import torch
 
-from .. import amax_reduction
+from ..distributed import amax_reduction
+from ..distributed.amax import shard_amax
 from ..ops import fused
-from ..scaling import ScalingState, current_scale, grad_margin, recipe_formats, shard_amax
+from ..scaling import ScalingState, current_scale, grad_margin, recipe_formats
 from . import cast_stats
 
 _ops = torch.ops.fp8ops
@@ -69,7 +70,7 @@ def _scale_before_cast(role, x, fmt, recipe, step: bool, margin: float, warm: bo
     pct = getattr(recipe, "amax_percentile", None)
     amax = _ops.amax(x) if pct is None else _ops.amax_percentile(x, pct)
     if shards is not None:
-        amax = shard_amax(amax, shards)
+        amax = shard_amax(amax, shards, recipe)
     return current_scale(amax, fmt, margin, recipe.power_of_two)
 
 
@@ -133,7 +134,7 @@ def cast_per_tensor(x, role, fmt, recipe, margin: float, *, update: bool = False
     scale = _scale_before_cast(role, x, fmt, recipe, update, margin, warm, shards)
     data, data_t, amax = fused.cast(x, scale, fmt.dtype, True, stochastic, 0, 0, rng)
     if record:
-        role.record(amax, recipe.process_group)
+        role.record(amax, recipe.process_group, recipe)
     sums = None if sum_dtype is None else fused.column_sums(x, sum_dtype)
     return data, data_t, scale, torch.reciprocal(scale), sums
 
@@ -176,7 +177,7 @@ def _vouching_grad(state: Optional[ScalingState], dw: Optional[torch.Tensor]) ->
     accumulation into .grad may vouch for that cast (weight_cache). Eager only: a compiled
     layer casts every call."""
     if state is not None and dw is not None and not torch.compiler.is_compiling():
-        state.expect_weight_grad()
+        state.weight_cache.expect_grad()
 
 
 def _bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor], needed: bool):
@@ -227,7 +228,7 @@ class PerTensorLinear(torch.autograd.Function):
         if state is not None:
             state.follow_stream(dy2.device)
             if eager:  # (a compiled layer's weight is never one FSDP2 gathered in FP8)
-                state.release_gathered_shard()
+                state.weight_cache.release()
         # stochastic rounding reads its random stream from the state's device buffer
         rng = state.rng if recipe.grad_rounding == "stochastic" else None
         stepping = delayed and state.recording
@@ -253,7 +254,7 @@ class PerTensorLinear(torch.autograd.Function):
             dw = _wgrad(weight, lambda dtype: _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv,
                                                         None, dtype, False))
             if eager and dw is not None and state is not None:
-                state.expect_weight_grad()  # (as _vouching_grad)
+                state.weight_cache.expect_grad()  # (as _vouching_grad)
         return dx, dw, db, None, None, None, None, None, None, None
 
 

@@ -22,6 +22,12 @@ logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 document
 # read a weight (CPUOffloadOptimizer)
 _LAYERS: "weakref.WeakSet[FP8Linear]" = weakref.WeakSet()
 
+# hook(layer, value), called whenever a DTensor is set as an FP8Linear's weight: FSDP2 and the
+# tensor-parallel styles set their parameters through setattr (FSDP2 swaps the sharded one and
+# the gathered copy in and out). fp8ops.distributed installs its FP8 all-gather here; the layers
+# know nothing of it.
+SHARDED_WEIGHT_HOOKS: list = []
+
 
 def layers_by_weight(params) -> dict:
     """{id(param): [the FP8Linear layers whose weight is param]} for the given parameters."""
@@ -66,7 +72,7 @@ class FP8Linear(nn.Linear):
     def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
         super().__setstate__(state)
         _LAYERS.add(self)
-        self.fp8_state.watch(self.weight)
+        self.fp8_state.weight_cache.watch(self.weight)
 
     def __setattr__(self, name, value):
         # FSDP2 swaps the parameter through setattr when a module defines __setattr__: the
@@ -74,26 +80,27 @@ class FP8Linear(nn.Linear):
         if name == "fp8_state" and isinstance(value, ScalingState):
             weight = self._parameters.get("weight")
             if weight is not None:
-                value.watch(weight)  # what an optimizer holds (before any forward too)
+                value.weight_cache.watch(weight)  # what an optimizer holds (before any forward)
         elif name == "weight" and "fp8_state" in self._modules:
-            state = self.fp8_state
+            cache = self.fp8_state.weight_cache
             if isinstance(value, torch.Tensor):
-                state.watch(value)
+                cache.watch(value)
             if is_dtensor(value):
-                state.source = weakref.ref(value)
-                _install_fp8_all_gather(self, value)
+                cache.source = weakref.ref(value)
+                for hook in SHARDED_WEIGHT_HOOKS:
+                    hook(self, value)
             elif not is_dtensor(self._parameters.get("weight")):
-                state.source = None  # a plain weight of its own (not FSDP2's gathered copy)
+                cache.source = None  # a plain weight of its own (not FSDP2's gathered copy)
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         # where Module._apply swaps the weight for a new tensor (FSDP2's DTensor parameters:
         # to_empty() after fully_shard, the meta-device init before a checkpoint load), the FP8
-        # state must hold no weak reference to it (ScalingState.unreferenced)
+        # state must hold no weak reference to it (WeightCache.unreferenced)
         state = self._modules.get("fp8_state")
         if not isinstance(state, ScalingState):
             return super()._apply(fn, recurse)
-        with state.unreferenced(self._parameters.get("weight")):
+        with state.weight_cache.unreferenced(self._parameters.get("weight")):
             return super()._apply(fn, recurse)
 
     def reset_parameters(self) -> None:
@@ -148,9 +155,6 @@ class FP8Linear(nn.Linear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        weight = destination.get(prefix + "weight")
-        if is_dtensor(weight):  # FSDP2: a checkpoint holds the plain shard
-            destination[prefix + "weight"] = _fsdp().plain_local(weight)
         host = self.fp8_state.host_weight
         if host is not None and prefix + "weight" in destination:
             # offloaded: the parameter is a placeholder, the weight is the host master
@@ -202,21 +206,9 @@ class FP8Linear(nn.Linear):
             self.fp8_state.host_weight = host
 
     def extra_repr(self) -> str:
+        # the recipe's name only: the model converted prints the whole recipe once (_Header)
         fallback = "" if self.fallback == "auto" else f", fallback={self.fallback}"
-        return f"{super().extra_repr()}, recipe={self.recipe}{fallback}"
-
-
-def _fsdp():
-    # imported with the first DTensor weight: importing fp8ops does not import DTensor
-    from ..distributed import fsdp
-    return fsdp
-
-
-def _install_fp8_all_gather(layer: FP8Linear, dtensor) -> None:
-    """FSDP2 sets the sharded parameter: have it gathered in FP8 where the recipe allows."""
-    fsdp = _fsdp()
-    if fsdp.gathers_fp8(layer, dtensor):
-        fsdp.install(layer, dtensor)
+        return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{fallback}"
 
 
 class FP8Conv1D(FP8Linear):
@@ -265,7 +257,7 @@ class FP8Conv1D(FP8Linear):
 
     def extra_repr(self) -> str:
         fallback = "" if self.fallback == "auto" else f", fallback={self.fallback}"
-        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe}{fallback}"
+        return f"nf={self.nf}, nx={self.nx}, recipe={type(self.recipe).__name__}{fallback}"
 
 
 def _is_conv1d(mod: nn.Module) -> bool:
@@ -339,8 +331,27 @@ def convert_to_fp8(module: nn.Module, recipe=None,
                 child_fqn = f"{fqn}.{name}" if fqn else name
                 if wanted(child, child_fqn):
                     setattr(mod, name, convert(child))
+        if kinds and not isinstance(module.__dict__.get("extra_repr"), _Header):
+            module.extra_repr = _Header(module)
     _log_conversion(module, recipe, kinds, rejected[0])
     return module
+
+
+class _Header:
+    """The extra_repr of a model convert_to_fp8 converted: its own, then each recipe its FP8
+    layers use, in full, once (the layers print only the recipe's name). An instance attribute
+    of the model, so print(model) shows it; it pickles and copies with the model."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self) -> str:
+        module = self.module
+        used = Counter(repr(m.recipe) for m in module.modules() if isinstance(m, FP8Linear))
+        lines = [type(module).extra_repr(module)] if type(module).extra_repr(module) else []
+        lines += [f"fp8ops: {n} FP8 layer{'' if n == 1 else 's'}, recipe={recipe}"
+                  for recipe, n in used.items()]
+        return "\n".join(lines)
 
 
 def _log_conversion(module: nn.Module, recipe, kinds: Counter, rejected: int) -> None:
@@ -376,6 +387,8 @@ def convert_from_fp8(module: nn.Module) -> nn.Module:
 
     if isinstance(module, FP8Linear):
         return plain(module)
+    if isinstance(module.__dict__.get("extra_repr"), _Header):
+        del module.extra_repr
     for mod in list(module.modules()):
         for name, child in list(mod.named_children()):
             if isinstance(child, FP8Linear):

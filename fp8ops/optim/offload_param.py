@@ -79,7 +79,7 @@ class OffloadedParam:
             host = HostWeight(self.master, param.device, param.dtype, self.name)
             for layer in self.layers:
                 # a cast made before now is remade from the master, with its scale, unstepped
-                layer.fp8_state.weight_values_changed()
+                layer.fp8_state.weight_cache.invalidate(keep_scale=True)
             offload(param, host)
             for layer in self.layers:
                 layer.fp8_state.host_weight = host
@@ -182,4 +182,4 @@ class OffloadedParam:
         if self.kind == "copy":
             self.push()
         for layer in self.layers:
-            layer.fp8_state.weight_values_changed()
+            layer.fp8_state.weight_cache.invalidate(keep_scale=True)

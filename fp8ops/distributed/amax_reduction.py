@@ -22,6 +22,8 @@ import weakref
 
 import torch
 
+from .agreement import check_recipes
+
 _lock = threading.Lock()
 # graph task id -> weak references to the states whose records its backward left, in order
 _pending: "dict[int, list[weakref.ref]]" = {}
@@ -38,6 +40,7 @@ def reduce_states(states) -> None:
         group = state.recipe.process_group
         groups.setdefault(id(group), (group, []))[1].append(state)
     for group, members in groups.values():
+        check_recipes(members[0].recipe, group)
         _all_reduce_max([_buffers(s) for s in members], group)
         if group is not None:
             # a role sharded by tensor parallelism over ranks outside the process group: a
@@ -51,9 +54,10 @@ def reduce_states(states) -> None:
                         if not any(s is state for s in entry[1]):
                             entry[1].append(state)
             for shard_group, sharded_states in sharded.values():
+                check_recipes(sharded_states[0].recipe, shard_group)
                 _all_reduce_max([_buffers(s) for s in sharded_states], shard_group)
         for state in members:
-            state._unreduced = set()
+            state.records_reduced()
 
 
 def _buffers(state) -> list:

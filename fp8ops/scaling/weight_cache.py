@@ -1,0 +1,527 @@
+"""The cached FP8 cast of one layer's weight (WeightCache), and the rule for reusing it.
+
+A weight's values can change where no counter shows it: `p.data.add_()`, `p.data.copy_()` and
+`vector_to_parameters` move no version counter, and FSDP2 writes its gathered weight under
+`_unsafe_preserve_version_counter`. So a cast is reused only while something that cannot be
+fooled vouches that the values are those it was cast from:
+  - the key: the same tensor view (data_ptr, storage offset, dtype, shape, strides, device) at
+    the same version counter, and the same generation of the layer's weight. The generation
+    moves when an optimizer that holds the weight steps (a `torch.optim` step post-hook that
+    looks at that optimizer's own parameters: another model's optimizer never touches this
+    layer), when a checkpoint is loaded, an offloaded master changes or invalidate() is called;
+  - the holder: an optimizer has stepped the weight (or what its cast reads: an offloaded
+    master, FSDP2's sharded parameter) and is alive, so that its steps are seen. A weight no
+    optimizer is seen to hold (before the first step, a frozen weight, a hand-written loop's
+    `p.data` update) is cast every forward; and
+  - a backward since the cast: the weight's gradient is still the one the FP8 backward of that
+    cast accumulated (the `mark`, taken by a post-accumulate-grad hook only after that backward:
+    a call that fell back to nn.Linear's GEMMs writes the gradient without vouching). So eval
+    forwards and forwards no backward followed recast too. Other vouchers: activation
+    checkpointing's recompute (the forward's own cast: the key alone), a weight whose values
+    only the generation can change (an offloaded host master; FSDP2's gathered copy of its
+    sharded parameter: a backward since the cast), and vouch() (the caller's word, as Transformer
+    Engine's is_first_microbatch=False: the key alone, until the generation moves).
+A gradient alone never vouches: it cannot tell a micro-batch of an accumulation window from a
+hand-written loop's next step after a `p.data` update.
+
+The key, the generation and the gradient also delimit the accumulation window, in which a
+delayed-scaling weight role steps once, whether an optimizer holds the weight or not: a recast
+inside the window (no holder seen yet, FSDP2's re-gathered copy of the same values, a cast made
+under inference mode, whose tensors autograd cannot save) takes the window's scale and does not
+step, so the scales never depend on whether a cast was reused, and every rank steps and
+all-reduces alike. Any other new storage (`p.data = ...`) is a new weight, cast from its own
+values, and current scaling always takes the weight's own amax.
+
+Checkpoints, copies and pickles carry no FP8 payload, only the scale of a delayed-scaling cast
+the next forward would reuse (saved_scale); restored, it stands in for the cast until the
+weight's generation moves, so training continues exactly as it would have.
+
+Under FSDP2's FP8 all-gather (distributed/fsdp.py) the cache holds no payload but the scale
+decided for the window (store_decision): every gather casts its shard with it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_leaves
+
+NO_MARK = None  # no gradient vouches for the entry
+
+# What vouches for an entry's values besides its key, generation and holder (strongest last):
+GRADIENT = 0  # the weight's gradient is still the one the cast's backward accumulated
+BACKWARD = 1  # a backward ran since the cast (values change only with the generation: an
+#               offloaded host master, FSDP2's gathered copy of its sharded parameter)
+KEY = 2  # nothing more is needed (activation checkpointing's recompute of the same forward)
+
+
+def weight_key(w: torch.Tensor, source: Optional[torch.Tensor] = None):
+    """(where the weight lives, what identifies its values). source: the tensor the weight's
+    values are copied from (FSDP2's sharded parameter), whose version counts too."""
+    where = (w.data_ptr(), w.storage_offset())
+    src = None if source is None else (id(source), source._version)
+    values = (w._version, src, w.dtype, tuple(w.shape), w.stride(), w.device)
+    return where, values
+
+
+def leaf(w: torch.Tensor) -> torch.Tensor:
+    """The parameter a weight view (e.g. a transposed Conv1D weight) accumulates its gradient in."""
+    base = w._base
+    return w if base is None else base
+
+
+def grad_mark(param: torch.Tensor):
+    """The state of param.grad: (weak reference to it or None, its version)."""
+    g = param.grad
+    return (None, -1) if g is None else (weakref.ref(g), g._version)
+
+
+def mark_matches(mark, param: torch.Tensor) -> bool:
+    if mark is NO_MARK:
+        return False
+    ref, version = mark
+    g = param.grad
+    if ref is None:
+        return g is None
+    return g is not None and ref() is g and g._version == version
+
+
+class CachedCast(NamedTuple):
+    key: Optional[tuple]  # weight_key of the weight cast; None once restored
+    payload: Any  # what the cast returned; None once restored
+    scale: Optional[torch.Tensor]  # the per-tensor scale it was cast with (None: block scales)
+    stepped: bool  # the delayed-scaling weight role stepped and recorded amax for these values
+    generation: int  # the cache's weight generation when cast (or restored)
+    inference: bool = False  # cast under inference mode (its tensors are inference tensors)
+    param: Any = None  # weakref to the parameter the weight is (or is a view of): leaf(weight)
+    mark: Any = NO_MARK  # the gradient state that vouches for the values (grad_mark)
+    # > 0: the number of a scale decided for FSDP2's FP8 all-gather (no payload: every gather
+    # casts its shard with the scale); consumed: a training forward used it
+    gathered: int = 0
+    consumed: bool = False
+
+    @property
+    def where(self):
+        return self.key[0]
+
+    @property
+    def values(self):
+        return self.key[1]
+
+
+# cast(weight, step, scale) -> (payload, scale used). step: step the delayed-scaling weight role
+# and record the weight's amax; scale: cast with this scale instead (no step).
+Cast = Callable[[torch.Tensor, bool, Optional[torch.Tensor]], tuple]
+
+
+def _same_window(entry: CachedCast, weight: torch.Tensor, values, generation: int,
+                 trust: int) -> bool:
+    """Whether this forward belongs to the accumulation window of entry's cast, by what the
+    cache sees of the weight and its gradient: the key, the generation and the gradient voucher
+    (or, with `trust`, less). Inside a window a delayed-scaling weight role does not step again.
+    This decides when the scale moves, never alone whether a payload may be reused."""
+    if entry.generation != generation:
+        return False
+    if entry.payload is None:  # restored: stands for the weight until the generation moves
+        return True
+    if entry.values != values:
+        return False
+    if trust == KEY:
+        return True
+    if trust == BACKWARD:
+        return entry.mark is not NO_MARK
+    return mark_matches(entry.mark, leaf(weight))
+
+
+# ---------------------------------------------------------------------------------------------
+# the holders: which optimizers step which parameters
+# ---------------------------------------------------------------------------------------------
+class Generation:
+    """A counter of a layer's weight values: an optimizer step over the weight moves it."""
+
+    def __init__(self):
+        self.value = 0
+        # the optimizer step that last moved it (a process-wide serial number; None: none yet):
+        # layers stepped by the same call train together (FSDP2's batched amax all-reduce)
+        self.step_serial = None
+
+
+class _Watched:
+    """A parameter some cache casts (or reads through): a weak reference to it, the generations
+    an optimizer step over it moves, and a weak reference to the last optimizer that stepped it
+    (its holder: while it lives, casts may be reused between its steps)."""
+
+    __slots__ = ("ref", "generations", "holder")
+
+    def __init__(self, ref):
+        self.ref, self.generations, self.holder = ref, [], None
+
+
+# id(parameter) -> _Watched. Looked up by id (a tensor's == is elementwise, and a weak key
+# dictionary pays a new reference per lookup); an entry is a few bytes. Another model's optimizer
+# never finds this model's caches.
+_WATCHERS: dict = {}
+_STEP_SERIAL = [0]
+
+
+def _watched(param: torch.Tensor) -> _Watched:
+    key = id(param)
+    item = _WATCHERS.get(key)
+    if item is None or item.ref() is not param:
+        item = _WATCHERS[key] = _Watched(weakref.ref(param, functools.partial(_forget, key)))
+    return item
+
+
+def _forget(key: int, ref) -> None:
+    """A watched parameter was collected: drop its entry (unless its id was taken again)."""
+    item = _WATCHERS.get(key)
+    if item is not None and item.ref is ref:
+        del _WATCHERS[key]
+
+
+def held(param: Optional[torch.Tensor]) -> bool:
+    """Whether a live optimizer has stepped `param`: it holds it, and its steps are seen."""
+    item = _WATCHERS.get(id(param))
+    return (item is not None and item.holder is not None and item.ref() is param
+            and item.holder() is not None)
+
+
+def after_optimizer_step(optimizer, args, kwargs) -> None:
+    """torch.optim's global step post-hook: the weights the step updated move their
+    generations, and the optimizer becomes their holder."""
+    _STEP_SERIAL[0] += 1
+    holder = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            item = _WATCHERS.get(id(p))
+            if item is not None and item.ref() is p:
+                if holder is None:
+                    holder = weakref.ref(optimizer)
+                item.holder = holder
+                for generation in item.generations:
+                    generation.value += 1  # new values: the next forward recasts
+                    generation.step_serial = _STEP_SERIAL[0]
+
+
+register_optimizer_step_post_hook(after_optimizer_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache
+# ---------------------------------------------------------------------------------------------
+class WeightCache:
+    """One layer's cached FP8 weight cast: lookup() a cast, store() a new one, invalidate() when
+    the weight's values change where nothing above can see it, vouch() to reuse a cast no
+    optimizer vouches for (module doc). ScalingState holds one per layer; FSDP2's and tensor
+    parallelism's code reach the cast through it alone."""
+
+    def __init__(self):
+        self.entry: Optional[CachedCast] = None
+        self.generation = Generation()
+        # () -> the tensor the weight's values are gathered from (FSDP2's or a tensor-parallel
+        # style's DTensor parameter), set by the layer; its optimizer holds the weight
+        self.source = None
+        # the values live on the host (an optim.host_weight.HostWeight, set by
+        # CPUOffloadOptimizer): its master is what an optimizer holds
+        self.host = None
+        self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
+        self._watched = None  # weakref to the parameter the last cast watched
+        self._grad_from_cast = False  # the next gradient accumulation vouches (expect_grad)
+        self._vouched = None  # the generation vouch() vouched for
+        self._miss = None  # what lookup() found for store(): (where, values, entry or None)
+        self._kept = None  # (key, tensor): bytes a gather kept for its backward (keep)
+
+    # -- the rule ------------------------------------------------------------------------------
+    @property
+    def value(self) -> int:
+        """The weight's generation (moves whenever its values may have changed)."""
+        return self.generation.value
+
+    def source_tensor(self) -> Optional[torch.Tensor]:
+        return None if self.source is None else self.source()
+
+    def holder_target(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """What an optimizer must hold for a cast of `param` (the leaf the cast reads) to be
+        reused: an offloaded master, FSDP2's sharded parameter, or param itself."""
+        if self.host is not None:
+            return self.host.master
+        source = self.source_tensor()
+        return param if source is None else source
+
+    def is_held(self, param: Optional[torch.Tensor]) -> bool:
+        return held(self.holder_target(param))
+
+    def lookup(self, weight: torch.Tensor, *, live: bool, trust: int = GRADIENT,
+               source: Optional[torch.Tensor] = None):
+        """(payload, None) when the cached cast serves this forward; else (None, scale): cast
+        the weight with `scale` without stepping (the accumulation window's scale), or, when
+        scale is None, from its own values (stepping delayed scaling when `live`), then store()
+        it. live: this forward steps delayed scaling (a live forward recasts, and steps, a cast
+        that did not step, such as one made in eval mode). trust: what vouches for the values
+        besides the key, the generation and the holder (module doc). source: the tensor the
+        weight's values are gathered from, whose version counts too."""
+        where, values = weight_key(weight, source)
+        entry = self.entry
+        generation = self.generation.value
+        if self._vouched == generation:
+            trust = KEY
+        inference = torch.is_inference_mode_enabled()
+        window = (entry is not None and (entry.stepped or not live)
+                  and _same_window(entry, weight, values, generation, trust))
+        # self.is_held(leaf(weight)), inlined: this runs every forward
+        if trust == KEY:
+            held = True
+        else:
+            target = (self.host.master if self.host is not None else
+                      None if self.source is None else self.source())
+            if target is None:
+                target = weight if weight._base is None else weight._base
+            item = _WATCHERS.get(id(target))
+            held = (item is not None and item.holder is not None and item.ref() is target
+                    and item.holder() is not None)
+        self._miss = (where, values, None)
+        if (window and held and entry.payload is not None and entry.where == where
+                and (inference or not entry.inference)):
+            return entry.payload, None
+        # Cast again with the entry's scale: a restored cast's; the same values elsewhere
+        # while an optimizer holds the weight (FSDP2's re-gathered copy, a cast made under
+        # inference mode); or a delayed-scaling weight inside its window. Any other new storage
+        # is a new weight (p.data = ...), and current scaling always takes the weight's own amax.
+        if window and (entry.payload is None or ((held or entry.stepped) and (
+                source is not None or entry.where == where))):
+            self._miss = (where, values, entry)
+            return None, (None if entry.scale is None else entry.scale.clone())
+        return None, None
+
+    def store(self, weight: torch.Tensor, payload, scale: Optional[torch.Tensor], *,
+              stepped: bool) -> None:
+        """Keep the cast the last lookup() missed: payload, cast with `scale`; stepped: the
+        delayed-scaling weight role stepped for it (a recast inside a window keeps the window's)."""
+        where, values, window = self._miss
+        param = weakref.ref(leaf(weight))
+        inference = torch.is_inference_mode_enabled()
+        generation = self.generation.value
+        if window is None:
+            self.entry = CachedCast((where, values), payload, scale, stepped, generation,
+                                    inference, param)
+        else:  # a recast inside the window keeps its stepping and its voucher
+            # (a restored entry is bound to the gradient as it is now: copied with the checkpoint)
+            mark = grad_mark(leaf(weight)) if window.payload is None else window.mark
+            self.entry = CachedCast((where, values), payload, scale, window.stepped, generation,
+                                    inference, param, mark)
+        self._miss = None
+
+    def get(self, weight: torch.Tensor, cast: Cast, *, live: bool, trust: int = GRADIENT,
+            source: Optional[torch.Tensor] = None):
+        """The FP8 weight: the cached cast, or cast(weight, ...) stored (lookup, then store)."""
+        payload, scale = self.lookup(weight, live=live, trust=trust, source=source)
+        if payload is None:
+            step = live and scale is None
+            payload, scale = cast(weight, step, scale)
+            self.store(weight, payload, scale, stepped=step)
+        param = leaf(weight)
+        target = param if self.host is None else self.host.master
+        if self._watched is None or self._watched() is not target:
+            self.watch(target)  # the steps of an optimizer over what this cast reads end it
+            self._watched = weakref.ref(target)
+        if self._hooked is None or self._hooked[0]() is not param:
+            self.hook_gradient(param)
+        return payload
+
+    def invalidate(self, keep_scale: bool = False) -> None:
+        """The weight's values may have changed where nothing shows it: the next forward casts
+        them anew. keep_scale: the values did not change (moved to a host master, reloaded, the
+        tensor swapped by Module._apply): a delayed-scaling cast the next forward would have
+        reused leaves its scale for the recast, so training continues exactly."""
+        self.restore(self.saved_scale() if keep_scale else None)
+
+    def vouch(self) -> None:
+        """The caller's word that the weight's values are those of the cached cast and stay so
+        until the generation moves (an optimizer step over it, a checkpoint load, invalidate()):
+        until then every forward reuses the cast, the key alone checked (a write the version
+        counter shows still recasts). For weights no optimizer steps: a frozen base model,
+        inference. Transformer Engine's is_first_microbatch=False."""
+        self._vouched = self.generation.value
+
+    # -- the voucher's plumbing ----------------------------------------------------------------
+    def watch(self, param: torch.Tensor) -> None:
+        """An optimizer step over `param` moves this cache's generation (the parameter the layer
+        registers, the one it casts, an offloaded master, FSDP2's sharded one)."""
+        item = _watched(param)
+        if self.generation not in item.generations:
+            item.generations.append(self.generation)
+
+    def hook_gradient(self, param: torch.Tensor) -> None:
+        """Let param's gradient vouch for the cast once its FP8 backward has accumulated it."""
+        if not param.requires_grad or not param.is_leaf:
+            return
+        if self._hooked is not None and self._hooked[0]() is param:
+            return
+        if self._hooked is not None:
+            self._hooked[1].remove()
+        me = weakref.ref(self)
+
+        def accumulated(p):
+            cache = me()
+            if cache is not None:
+                cache.grad_accumulated(p)
+
+        self._hooked = (weakref.ref(param), param.register_post_accumulate_grad_hook(accumulated))
+
+    def expect_grad(self) -> None:
+        """Called by an FP8 backward that computed the weight's gradient from the cached cast:
+        the accumulation that follows vouches for that cast (eager mode only)."""
+        self._grad_from_cast = True
+
+    def grad_accumulated(self, param: torch.Tensor) -> None:
+        """param's gradient was accumulated: from the FP8 backward of the cached cast, that
+        gradient now vouches for the cast; from anywhere else (a call that fell back to the
+        high-precision layer) it vouches for nothing."""
+        if not self._grad_from_cast:
+            return
+        self._grad_from_cast = False
+        entry = self.entry
+        if entry is not None and entry.param is not None and entry.param() is param:
+            self.entry = entry._replace(mark=grad_mark(param))
+
+    @property
+    def trust(self) -> int:
+        """What vouches, besides the key, for a cast of a weight whose values change only with the
+        generation (an offloaded master, FSDP2's gathered copy): a backward since the cast."""
+        return BACKWARD if self.host is not None or self.source_tensor() is not None \
+            else GRADIENT
+
+    def saved_scale(self) -> Optional[torch.Tensor]:
+        """The scale of a delayed-scaling cast the next forward would reuse (None: it casts
+        anew and steps). Only a stepped cast needs saving: any other one is recast from the
+        weight and the state's buffers alike."""
+        entry = self.entry
+        if entry is None or not entry.stepped or entry.generation != self.generation.value:
+            return None
+        if entry.gathered:  # reused by the next training forward once a backward vouched for it
+            return entry.scale if entry.mark is not NO_MARK else None
+        if entry.payload is None:
+            return entry.scale
+        param = entry.param()
+        if param is None or param._version != entry.values[0]:  # a view shares its base's counter
+            return None
+        reused = (entry.mark is not NO_MARK if self.trust == BACKWARD
+                  else mark_matches(entry.mark, param))
+        return entry.scale if reused else None
+
+    def restore(self, scale: Optional[torch.Tensor]) -> None:
+        """A new generation, whose cast is the saved `scale` (None: none): used in place of the
+        weight's cast until the generation moves."""
+        self.generation.value += 1
+        self.entry = None if scale is None else CachedCast(None, None, scale, True,
+                                                           self.generation.value)
+        self._kept = None
+
+    @property
+    def restored(self) -> bool:
+        """The entry is a restored scale not yet cast with."""
+        entry = self.entry
+        return entry is not None and entry.payload is None and not entry.gathered
+
+    def payload_tensors(self) -> list:
+        """The tensors of the cached cast (what a new stream must not see freed)."""
+        entry = self.entry
+        if entry is None or entry.payload is None:
+            return []
+        return [t for t in tree_leaves(entry.payload) if isinstance(t, torch.Tensor)]
+
+    @contextlib.contextmanager
+    def unreferenced(self, tensor: Optional[torch.Tensor]):
+        """No weak reference to `tensor` (the layer's weight) while the block runs; the same
+        object is referenced again after. torch.utils.swap_tensors, which Module._apply uses
+        for a parameter it cannot change in place (FSDP2's DTensor parameters: to_empty() or
+        .to() after fully_shard), refuses a tensor that has weak references; it keeps the Python
+        object (its values and __dict__ change), so every cache watching it watches it again.
+        The gradient hook does not survive a swap: it is dropped, and set again by the next
+        forward; a cast to reuse keeps only its scale (as in _apply)."""
+        if tensor is None:
+            yield
+            return
+        key = id(tensor)
+        watchers = None
+        if key in _WATCHERS and _WATCHERS[key].ref() is tensor:
+            item = _WATCHERS.pop(key)
+            watchers = (item.generations, item.holder)
+            del item  # no name may keep the weak reference
+        source = self.source_tensor()
+        if source is tensor:
+            self.source = None
+        if self._watched is not None and self._watched() is tensor:
+            self._watched = None  # the next forward watches again
+        hooked = self._hooked is not None and self._hooked[0]() is tensor
+        if hooked:
+            self._hooked[1].remove()
+            self._hooked = None  # the next forward hooks again
+        self.invalidate(keep_scale=True)  # the entry's weak reference goes
+        try:
+            yield
+        finally:
+            if watchers is not None:
+                again = _watched(tensor)
+                again.generations.extend(g for g in watchers[0] if g not in again.generations)
+                if again.holder is None:
+                    again.holder = watchers[1]
+            if source is tensor and self.source is None:
+                self.source = weakref.ref(tensor)
+            if hooked and not getattr(tensor, "_post_accumulate_grad_hooks", True):
+                # a swapped tensor keeps its (now empty) hook dict but not the autograd hook
+                # that calls it: without this, the next forward's hook would never run
+                tensor._post_accumulate_grad_hooks = None
+
+    # -- FSDP2's FP8 all-gather (distributed/fsdp.py) ------------------------------------------
+    def store_decision(self, scale: torch.Tensor, *, stepped: bool, number: int) -> None:
+        """A per-tensor scale decided for the window's gathers (number > 0 identifies it)."""
+        self.entry = CachedCast(None, None, scale, stepped, self.generation.value,
+                                gathered=number)
+
+    def number_decision(self, number: int) -> None:
+        """The entry's scale (restored, or a recast's) serves the gathers as decision `number`."""
+        self.entry = self.entry._replace(gathered=number)
+
+    def consume(self, param: torch.Tensor, live: bool, number: Optional[int] = None) -> None:
+        """A forward used the gathered weight `param` (a training forward, when live): its
+        backward vouches for the decision. number: the decision it used, when the entry is a
+        recast that now serves the gathers."""
+        changes = {"param": weakref.ref(param), "consumed": live}
+        if number is not None:
+            changes["gathered"] = number
+        self.entry = self.entry._replace(**changes)
+        self.hook_gradient(param)
+
+    def keep(self, key, data: Optional[torch.Tensor]) -> None:
+        """Keep bytes a forward's gather made for its backward's re-gather (None: keep none)."""
+        self._kept = None if data is None else (key, data)
+
+    def take(self, key) -> Optional[torch.Tensor]:
+        """The kept bytes if they are for `key`; nothing is kept after."""
+        kept, self._kept = self._kept, None
+        return kept[1] if kept is not None and kept[0] == key else None
+
+    @property
+    def kept(self) -> Optional[torch.Tensor]:
+        """The bytes kept for the backward's re-gather, if any."""
+        return None if self._kept is None else self._kept[1]
+
+    def release(self) -> None:
+        """Drop the kept bytes: the backward has them, or never re-gathers."""
+        self._kept = None
+
+    # -- copies --------------------------------------------------------------------------------
+    def __getstate__(self):
+        # float8 payloads, weak references and hook handles do not pickle or copy: a copy holds
+        # the scale of the cast the next forward would reuse, as a checkpoint does
+        return {"scale": self.saved_scale(), "host": self.host}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.host = state.get("host")
+        self.restore(state.get("scale"))
