@@ -69,13 +69,16 @@ RECIPES = {
     "current_p99.99": lambda: fp8ops.CurrentScaling(amax_percentile=99.99),
 }
 DEFAULT_RECIPES = ["baseline", "delayed", "current", "current_stochastic", "mxfp8", "blockwise"]
-SIZES = {  # presets; every field can be overridden by its flag
+# Presets; every field can be overridden by its flag. The CPU presets fix the thread count (but
+# for --fsdp): a float32 GEMM splits its sums by thread, and the FP8 casts round what differs
+# into different losses, so README.md's tables hold for this thread count.
+SIZES = {
     "cpu": dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2,
-                n_head=4, lr=3e-3, eval_every=50, eval_batches=8),
+                n_head=4, lr=3e-3, eval_every=50, eval_batches=8, threads=2),
     "gpu": dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768, n_layer=8,
                 n_head=12, lr=1e-3, eval_every=200, eval_batches=32),
     "tiny": dict(device="cpu", steps=6, batch_size=4, seq_len=32, d_model=64, n_layer=1,
-                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2),
+                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2, threads=1),
 }
 
 
@@ -97,7 +100,9 @@ def parse_args(argv=None):
                         "auto (layers too small to gain from FP8 on this GPU, by its measured "
                         "crossover, run in high precision)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "out"))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 2 for --size cpu, 1 for tiny, else torch's; "
+                        "with --fsdp, torchrun's)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--monitor-every", type=int, default=25,
                    help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
@@ -110,7 +115,8 @@ def parse_args(argv=None):
         p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
                 "FP32 masters, FSDP2 shards them): use one of them")
     for k, v in SIZES[args.size].items():
-        if getattr(args, k) is None:
+        # under --fsdp each rank keeps torchrun's threads (one per process on a shared CPU)
+        if getattr(args, k) is None and not (k == "threads" and args.fsdp):
             setattr(args, k, v)
     if args.warmup is None:
         args.warmup = max(1, args.steps // 10)
@@ -355,8 +361,8 @@ def table(results, args, device, ranks):
     backend = fp8ops.backend(device)
     head = (f"GPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} "
             f"seq_len={args.seq_len} batch={args.batch_size} steps={args.steps} lr={args.lr} "
-            f"seed={args.seed}; device={device} ({'bf16 autocast' if device.type == 'cuda' else 'float32'}"
-            f" baseline); optimizer="
+            f"seed={args.seed} threads={torch.get_num_threads()}; device={device} "
+            f"({'bf16 autocast' if device.type == 'cuda' else 'float32'} baseline); optimizer="
             f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
                f"state of rank 0); " if ranks.fsdp else "") + "fp8ops backend="

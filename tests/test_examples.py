@@ -1,5 +1,5 @@
 """The end-to-end demo (examples/train_gpt.py) runs every recipe with a tiny config and writes
-its table, JSON and loss-curve PNG, with finite losses."""
+its table, JSON and loss-curve PNG, with finite losses; those losses are README.md's."""
 from __future__ import annotations
 
 import json
@@ -8,33 +8,60 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["baseline", "delayed", "current", "current_stochastic", "mxfp8", "blockwise"]
+TINY_COMMAND = "python examples/train_gpt.py --size tiny --no-progress"  # as README.md shows it
 
 
-def test_train_gpt_tiny(tmp_path):
-    out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--size", "tiny",
-           "--steps", "4", "--eval-every", "2", "--out-dir", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The demo at the tiny preset, every recipe: (stdout, output folder)."""
+    out = tmp_path_factory.mktemp("tiny")
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+           *TINY_COMMAND.split()[2:], "--out-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, out
+
+
+def test_train_gpt_tiny(tiny):
+    stdout, out = tiny
     table = (out / "results.md").read_text()
     for name in RECIPES:
         assert f"| {name} |" in table, table
-        assert f"| {name} |" in proc.stdout
+        assert f"| {name} |" in stdout
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     results = json.loads((out / "results.json").read_text())["results"]
     assert [r["name"] for r in results] == RECIPES
     for r in results:
-        assert len(r["train_curve"]) == 4 and [s for s, _ in r["val_curve"]] == [2, 4]
+        assert len(r["train_curve"]) == 6 and [s for s, _ in r["val_curve"]] == [3, 6]
         losses = r["train_curve"] + [v for _, v in r["val_curve"]]
         assert all(math.isfinite(v) and 0 < v < 10 for v in losses), (r["name"], losses)
         assert r["tokens_per_s"] > 0 and math.isfinite(r["peak_mem_mib"])
         # the FP8 runs start from the same weights and data as the baseline: first losses agree
         # to FP8 noise (float32 cross-entropy of a byte model at init is ~ln 256 = 5.5)
         assert abs(r["train_curve"][0] - results[0]["train_curve"][0]) < 0.05
+
+
+def _loss_columns(table: str) -> dict:
+    """{recipe: (final train loss, final val loss)} of a results table, as printed."""
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    return {r[0].strip(): (r[1].strip(), r[2].strip()) for r in rows if r[0].strip() != "recipe"}
+
+
+def test_readme_tiny_table_is_the_demos(tiny):
+    """README.md's table of the tiny preset holds the losses this run prints, to the digits
+    shown (tokens/s and memory vary by machine and are not compared). A change to the numerics
+    fails here until the table is regenerated with the command README.md gives."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert TINY_COMMAND in readme
+    after = readme.split(TINY_COMMAND, 1)[1]
+    shown = _loss_columns(after[after.index("| recipe |"):].split("\n\n")[0])
+    assert shown == _loss_columns((tiny[1] / "results.md").read_text())
 
 
 def _run_demo(out, *extra):
