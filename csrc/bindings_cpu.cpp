@@ -10,6 +10,7 @@ TORCH_LIBRARY(fp8ops_cpu, m) {
   m.def("quantize_mx(Tensor x, ScalarType dtype, int block_size, int axis, bool rceil) -> (Tensor, Tensor)");
   m.def("tile_amax(Tensor x, int block_rows, int block_cols) -> Tensor");
   m.def("cast_tiles(Tensor x, Tensor mult, int block_rows, int block_cols, ScalarType dtype) -> Tensor");
+  m.def("cast_stats(Tensor x, Tensor data, Tensor scale_inv, int block_rows, int block_cols) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fp8ops_cpu, CPU, m) {
@@ -17,6 +18,7 @@ TORCH_LIBRARY_IMPL(fp8ops_cpu, CPU, m) {
   m.impl("quantize_mx", &fp8ops_cpu::quantize_mx_cpu);
   m.impl("tile_amax", &fp8ops_cpu::tile_amax_cpu);
   m.impl("cast_tiles", &fp8ops_cpu::cast_tiles_cpu);
+  m.impl("cast_stats", &fp8ops_cpu::cast_stats_cpu);
 }
 
 // Importing the module loads the library, whose static initializers register the ops above.

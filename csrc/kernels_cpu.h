@@ -25,4 +25,10 @@ at::Tensor tile_amax_cpu(const at::Tensor& x, int64_t block_rows, int64_t block_
 at::Tensor cast_tiles_cpu(const at::Tensor& x, const at::Tensor& mult, int64_t block_rows,
                           int64_t block_cols, at::ScalarType dtype);
 
+// emulation.cast_stats of a 2-D x and its FP8 data (any strides; data at least x's shape): the
+// counts (saturated, underflow, non-finite) and amax, in one pass.
+std::tuple<at::Tensor, at::Tensor> cast_stats_cpu(const at::Tensor& x, const at::Tensor& data,
+                                                  const at::Tensor& scale_inv, int64_t block_rows,
+                                                  int64_t block_cols);
+
 }  // namespace fp8ops_cpu

@@ -274,3 +274,116 @@ def test_monitoring_an_offloaded_model_reads_the_host_weights(recipe):
         opt.zero_grad()
     s = fp8ops.stats(m)
     assert s["0.weight.nonfinite"] == 0.0 and s["0.weight.amax"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# ops.cast_stats: the statistics in one op, with no full-size temporary
+# ---------------------------------------------------------------------------------------------
+def _reference_stats(x, dq, raw, fmt):
+    """The statistics from full-size float32 tensors: what the op must count."""
+    x = x.float()
+    finite = torch.isfinite(x)
+    margin = 1 + 2.0 ** -(fmt.mbits + 1)
+    saturated = finite & (raw.abs() == fmt.max) & (x.abs() > dq.abs() * margin)
+    underflow = finite & (x != 0) & (dq == 0)
+    amax = x.abs().amax() if x.numel() else torch.zeros(())
+    return [int(saturated.sum()), int(underflow.sum()), int((~finite).sum())], amax
+
+
+def _planted(shape, dtype=torch.float32, seed=0):
+    """Values that saturate, underflow, and are NaN and inf, among ordinary ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 4
+    flat = x.view(-1)
+    idx = torch.randperm(flat.numel(), generator=g)
+    n = flat.numel() // 20
+    flat[idx[:n]] *= 500  # saturate (and stay finite in float16)
+    flat[idx[n:2 * n]] *= 1e-5  # underflow (and stay non-zero in float16)
+    flat[idx[2 * n]] = float("inf")
+    flat[idx[2 * n + 1]] = float("nan")
+    return x.to(dtype)
+
+
+def _cases():
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = _planted((70, 300), dtype)
+        s = torch.tensor(2.0)
+        data = emulation.quantize(x, s, e4)[0]
+        out.append(("per-tensor", x, data, torch.reciprocal(s), 0, 0,
+                    lambda d, x=x: emulation.dequantize(d, torch.tensor(0.5), torch.float32)))
+    x = _planted((70, 300))
+    data, sinv = emulation.quantize_blockwise(x, e5, 1, 128, False)
+    out.append(("blockwise 1x128", x, data, sinv, 1, 128,
+                lambda d, s=sinv: emulation.dequantize_blockwise(d, s, 1, 128, torch.float32)))
+    xt = _planted((300, 70)).t()  # a transposed view, as the gradient's column copy
+    data, sinv = emulation.quantize_blockwise(xt, e4, 128, 128, False)
+    out.append(("blockwise 128x128, transposed", xt, data, sinv, 128, 128,
+                lambda d, s=sinv: emulation.dequantize_blockwise(d, s, 128, 128, torch.float32)))
+    for axis in (1, 0):
+        x = _planted((70, 300))
+        xp = torch.nn.functional.pad(x, (0, 20, 0, 26))  # padded to whole blocks, as the layer
+        data, scales = emulation.quantize_mx(xp, e4, 32, axis, False)
+        blocks = (1, 32) if axis == 1 else (32, 1)
+        out.append((f"mx axis {axis}, padded", x, data, scales, *blocks,
+                    lambda d, s=scales, a=axis, x=x: emulation.dequantize_mx(
+                        d, s, 32, a, torch.float32)[:x.shape[0], :x.shape[1]]))
+    return out
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu kernel", "pieces"])
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c[0])
+def test_cast_stats_counts_as_the_full_size_reference(case, kernels, monkeypatch):
+    from fp8ops.formats import get_format
+    from fp8ops.ops import cpu_kernels
+    name, x, data, sinv, br, bc, dequant = case
+    if kernels and not cpu_kernels.loaded():
+        pytest.skip("fp8ops._cpu not built")
+    if not kernels:
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+        monkeypatch.setattr(emulation, "STATS_PIECE", 1000)  # many pieces, ragged at the edges
+    counts, amax = torch.ops.fp8ops.cast_stats(x, data, sinv, br, bc)
+    fmt = get_format(data.dtype)
+    raw = data[:x.shape[0], :x.shape[1]].float()
+    want, want_amax = _reference_stats(x, dequant(data)[:x.shape[0], :x.shape[1]], raw, fmt)
+    assert counts.tolist() == want, name
+    # every kind planted is there to find (block scales leave nothing to saturate)
+    assert want[1] > 0 and want[2] > 0 and (want[0] > 0 or br > 0), (name, want)
+    assert torch.equal(amax, want_amax.float()) or (amax.isnan() and want_amax.isnan()), name
+    finite = x.float().nan_to_num(0.0, 0.0, 0.0)
+    c2, a2 = torch.ops.fp8ops.cast_stats(finite.to(x.dtype), data, sinv, br, bc)
+    assert torch.equal(a2, finite.abs().amax().float()), name  # no NaN: the max itself
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu kernel", "pieces"])
+def test_a_sampled_step_takes_no_more_memory(kernels, monkeypatch):
+    """The monitor's statistics add at most 1% of the input's bytes to a step's peak with the
+    CPU kernels (torch's MemTracker counts every tensor a step holds at once), and a bounded
+    working set, whatever the size, in the emulation's pieces."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from fp8ops.ops import cpu_kernels
+    if kernels and not cpu_kernels.loaded():
+        pytest.skip("fp8ops._cpu not built")
+    if not kernels:
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+        monkeypatch.setattr(emulation, "STATS_PIECE", 1 << 14)
+
+    def peak(every):
+        torch.manual_seed(0)
+        layer = fp8ops.FP8Linear(1024, 1024, bias=False, dtype=torch.bfloat16)
+        x = torch.randn(2048, 1024, dtype=torch.bfloat16, requires_grad=True)
+        monitor = fp8ops.monitor(layer, every=every) if every else None
+        layer(x).float().square().mean().backward()  # the monitor's first forward is sampled
+        tracker = MemTracker()
+        tracker.track_external(layer, x)
+        with tracker:
+            layer(x).float().square().mean().backward()
+        del monitor
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    input_bytes = 2048 * 1024 * 2
+    off, sampled = peak(None), peak(1)
+    assert off > 3 * input_bytes  # (the step's own tensors are counted)
+    bound = 0.01 * input_bytes if kernels else 32 * emulation.STATS_PIECE
+    assert sampled - off <= bound, (sampled - off) / input_bytes

@@ -37,6 +37,11 @@ def _samples():
         "quantize_blockwise": [(x, E4, 1, 128, False), (torch.randn(130, 200), E5, 128, 128, True),
                                (x.t(), E4, 1, 128, False)],
         "dequantize_blockwise": [(_fp8((6, 64)), torch.rand(6, 1) + 0.5, 1, 128, torch.bfloat16)],
+        "cast_stats": [(x, _fp8((6, 64)), torch.tensor(0.25), 0, 0),
+                       (xb.t(), _fp8((64, 6), E5), torch.rand(1, 1) + 0.5, 128, 128),
+                       (x, _fp8((32, 64)), torch.randint(100, 140, (32, 2), dtype=torch.uint8),
+                        1, 32),
+                       (torch.empty(0, 3), _fp8((0, 3)), torch.tensor(1.0), 0, 0)],
         "delayed_scale_update": [
             (hist, s, torch.tensor(3.0), torch.tensor(4.0), torch.tensor(4), 448.0, 1.0, 2, algo,
              0.1, 90.0, p2) for algo, p2 in (("max", False), ("most_recent", True), ("ema", False),

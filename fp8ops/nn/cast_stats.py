@@ -12,7 +12,6 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from ..formats import get_format
 
 STATS = ("amax", "scale", "amax_history_max", "saturated_frac", "underflow_frac", "nonfinite",
          "nonfinite_casts", "block_scale_log2_min", "block_scale_log2_max",
@@ -42,44 +41,33 @@ class Monitor:
             self.forwards += 1
 
 
-def _fractions(x: torch.Tensor, dq: torch.Tensor, raw: torch.Tensor,
-               fmt) -> Dict[str, torch.Tensor]:
-    """Saturation, underflow and non-finite counts of a cast, from its input x, its dequantized
-    result dq and its raw FP8 values. Saturated: cast to the format's max although more than
-    half an ulp of max above it (a clamp, not a rounding); underflow: non-zero, cast to zero."""
-    x = x.float()
-    finite = torch.isfinite(x)
+def _fractions(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int = 0,
+               block_cols: int = 0) -> Dict[str, torch.Tensor]:
+    """Saturation, underflow and non-finite counts of a cast and its input's amax, read in one
+    op (ops.cast_stats: no full-size temporary, so that a sampled step takes no more memory than
+    another). Saturated: cast to the format's max although more than half an ulp of max above it
+    (a clamp, not a rounding); underflow: non-zero, cast to zero."""
+    counts, amax = torch.ops.fp8ops.cast_stats(x, data, scale_inv, block_rows, block_cols)
     n = max(x.numel(), 1)
-    clamped = raw.abs() == fmt.max
-    saturated = finite & clamped & (x.abs() > dq.abs() * (1 + 2.0 ** -(fmt.mbits + 1)))
-    underflow = finite & (x != 0) & (dq == 0)
-    return {"saturated_frac": saturated.sum() / n, "underflow_frac": underflow.sum() / n,
-            "nonfinite": (~finite).sum(), "amax": x.abs().amax() if x.numel() else x.new_zeros(())}
+    return {"saturated_frac": counts[0] / n, "underflow_frac": counts[1] / n,
+            "nonfinite": counts[2], "amax": amax}
 
 
 def per_tensor_stats(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor):
     """Statistics of a per-tensor cast: data (float8) = cast(x * scale). `scale` is the one the
     cast used and is reported as is (the reciprocal of its reciprocal can differ in the last
     bit); the values are read back with its reciprocal, as the GEMMs read them."""
-    fmt = get_format(data.dtype)
-    raw = data.float()
     scale = scale.float().reshape(()).clone()
-    out = _fractions(x, raw * torch.reciprocal(scale), raw, fmt)
+    out = _fractions(x, data, torch.reciprocal(scale))
     out["scale"] = scale
     return out
-
-
-def _crop(t: torch.Tensor, shape) -> torch.Tensor:
-    return t[tuple(slice(0, n) for n in shape)]
 
 
 def mx_stats(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, block_size: int, axis: int):
     """Statistics of an MXFP8 cast (E8M0 scale bytes per block of block_size along axis). data
     may be zero-padded beyond x's shape; the padding is not counted."""
-    fmt = get_format(data.dtype)
-    dq = torch.ops.fp8ops.dequantize_mx(data, scales, block_size, axis, torch.float32)
-    dq = _crop(dq, x.shape)
-    out = _fractions(x, dq, _crop(data, x.shape).float(), fmt)
+    blocks = (1, block_size) if axis % max(data.dim(), 1) == data.dim() - 1 else (block_size, 1)
+    out = _fractions(x, data, scales, *blocks)
     exps = scales.to(torch.int32) - 127
     valid = scales != 0xFF
     out.update(_log2_range(exps[valid].float()))
@@ -89,10 +77,7 @@ def mx_stats(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, block_si
 def blockwise_stats(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
                     block_cols: int):
     """Statistics of a blockwise cast (float32 scale_inv per block_rows x block_cols tile)."""
-    fmt = get_format(data.dtype)
-    dq = torch.ops.fp8ops.dequantize_blockwise(data, scale_inv, block_rows, block_cols,
-                                                torch.float32)
-    out = _fractions(x, dq, data.float(), fmt)
+    out = _fractions(x, data, scale_inv, block_rows, block_cols)
     s = scale_inv.float()
     out.update(_log2_range(torch.log2(s[(s > 0) & torch.isfinite(s)])))
     return out

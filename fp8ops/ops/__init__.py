@@ -41,6 +41,10 @@ SCHEMAS = {
                           "bool power_of_two) -> (Tensor, Tensor)",
     "dequantize_blockwise": "(Tensor data, Tensor scale_inv, int block_rows, int block_cols, "
                             "ScalarType out_dtype) -> Tensor",
+    # fp8ops.monitor's statistics of one cast: (counts int64 [saturated, underflow, non-finite],
+    # amax of x); scale_inv: one float32 multiplier (blocks 0 x 0), or float32 / E8M0 per block
+    "cast_stats": "(Tensor x, Tensor data, Tensor scale_inv, int block_rows, int block_cols) "
+                  "-> (Tensor, Tensor)",
     "delayed_scale_update": "(Tensor amax_history, Tensor scale, Tensor amax_rep, "
                             "Tensor pending_amax, Tensor step, float fp8_max, float margin, "
                             "int interval, str algo, float ema_alpha, float percentile, "
@@ -210,6 +214,11 @@ def _(x, dtype, block_rows, block_cols, power_of_two):
 @torch.library.register_fake("fp8ops::dequantize_blockwise")
 def _(data, scale_inv, block_rows, block_cols, out_dtype):
     return data.new_empty(data.shape, dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8ops::cast_stats")
+def _(x, data, scale_inv, block_rows, block_cols):
+    return x.new_empty((3,), dtype=torch.int64), _scalar_f32(x)
 
 
 @torch.library.register_fake("fp8ops::delayed_scale_update")

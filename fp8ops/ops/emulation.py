@@ -444,6 +444,68 @@ def dequantize_blockwise(data: torch.Tensor, scale_inv: torch.Tensor, block_rows
 
 
 # ----------------------------------------------------------------------------------------------
+# Cast statistics (fp8ops.monitor: fp8ops/monitoring.py says what each one means)
+# ----------------------------------------------------------------------------------------------
+# the pieces the statistics read x in: a bounded working set (float32 copies and masks, about 20
+# bytes per element of a piece) whatever x's size
+STATS_PIECE = 1 << 20
+
+
+def cast_stats(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
+               block_cols: int):
+    """(counts, amax) of a cast data = FP8(x * scale), over x's 2-D view [R, C]: counts (int64
+    [3]) of the saturated (cast to the format's max although more than half an ulp of max above
+    it: a clamp, not a rounding), the underflowed (non-zero, cast to zero) and the non-finite
+    elements of x, and amax = max |x| (NaN if any is NaN; 0 when x is empty). The values are
+    read back as the GEMMs read them, raw * scale_inv in float32: scale_inv is one float32
+    multiplier (block_rows = block_cols = 0), or one per [block_rows, block_cols] tile of x,
+    float32 or E8M0 bytes (uint8). data may be larger than x (padded); the padding is not
+    read. Read in pieces of at most STATS_PIECE elements (whole tiles), with no full-size
+    temporary; on the CPU one pass of fp8ops._cpu."""
+    x2, d2 = _as_2d(x), _as_2d(data)
+    R, C = x2.shape
+    if d2.shape[0] < R or d2.shape[1] < C:
+        raise ValueError(f"fp8ops: cast_stats: data {tuple(data.shape)} is smaller than x "
+                         f"{tuple(x.shape)}")
+    per_tensor = block_rows == 0 and block_cols == 0
+    if not per_tensor and (block_rows < 1 or block_cols < 1):
+        raise ValueError(f"fp8ops: cast_stats: block_rows and block_cols must both be 0 (one "
+                         f"scale) or positive, got {block_rows} and {block_cols}")
+    if _on_host(x2) and cpu_kernels.loaded():  # csrc/stats_cpu.cpp: one pass, no temporaries
+        return torch.ops.fp8ops_cpu.cast_stats(x2, d2, scale_inv, block_rows, block_cols)
+    fmt = get_format(data.dtype)
+    counts = torch.zeros(3, dtype=torch.int64, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    if x2.numel() == 0:
+        return counts, amax
+    if per_tensor:
+        multiplier = scale_inv.float().reshape(())
+    else:
+        multiplier = e8m0_to_float(scale_inv) if scale_inv.dtype == torch.uint8 else \
+            scale_inv.float()
+    br, bc = (1, 1) if per_tensor else (block_rows, block_cols)
+    cols = min(C, max(bc, STATS_PIECE // bc * bc))  # whole tiles per piece
+    rows = max(br, STATS_PIECE // max(cols, 1) // br * br)
+    margin = 1 + 2.0 ** -(fmt.mbits + 1)
+    for r0 in range(0, R, rows):
+        for c0 in range(0, C, cols):
+            xs = x2[r0:r0 + rows, c0:c0 + cols].float()
+            raw = d2[r0:r0 + xs.shape[0], c0:c0 + xs.shape[1]].float()
+            if per_tensor:
+                dq = raw * multiplier
+            else:
+                s = multiplier[r0 // br:-(-(r0 + xs.shape[0]) // br),
+                               c0 // bc:-(-(c0 + xs.shape[1]) // bc)]
+                dq = _times_block(raw, s.contiguous(), br, bc)
+            finite = torch.isfinite(xs)
+            saturated = finite & (raw.abs() == fmt.max) & (xs.abs() > dq.abs() * margin)
+            underflow = finite & (xs != 0) & (dq == 0)
+            counts += torch.stack([saturated.sum(), underflow.sum(), (~finite).sum()])
+            amax = torch.maximum(amax, xs.abs().amax())  # (NaN wins, as in amax)
+    return counts, amax
+
+
+# ----------------------------------------------------------------------------------------------
 # Delayed-scaling update (docs/numerics.md, "Delayed scaling state machine")
 # ----------------------------------------------------------------------------------------------
 _ALGOS = ("max", "most_recent", "ema", "percentile")
