@@ -1,4 +1,4 @@
-"""Training semantics of the FP8 linear autograd (DESIGN.md section 7)."""
+"""Training semantics of the FP8 linear autograd (docs/design.md, "Training: the FP8 linear")."""
 import math
 
 import pytest
