@@ -62,18 +62,12 @@ def _timed(fn, device, calls: int, warmup: int):
 def profile_shape(m, k, n, device, rows, steps=50):
     lines = []
     for name in ["bf16", *RECIPES]:
-        torch.manual_seed(0)
-        layer = _make_layer(name, k, n, device)
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-        step = _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
+        step = _variant_step(name, m, k, n, device)
         host, wall = _timed(step, device, steps, warmup=10)
         lines.append(f"== {name} M={m} K={k} N={n}: host {host * 1e6:.0f} us/step, "
                      f"wall {wall * 1e6:.0f} us/step")
         if name != "bf16":
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                             else [])
-            with profile(activities=acts) as prof:
+            with profile(activities=_activities(device)) as prof:
                 for _ in range(5):
                     step()
                 _sync(device)
@@ -82,11 +76,22 @@ def profile_shape(m, k, n, device, rows, steps=50):
     return lines
 
 
-def _make_layer(name, k, n, device):
+def _variant_step(name, m, k, n, device):
+    """One training step of a bf16 layer [n, k] ("bf16": nn.Linear; else an FP8Linear of that
+    recipe) on m tokens, on fresh random data."""
+    torch.manual_seed(0)
     if name == "bf16":
-        return torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    return fp8ops.FP8Linear(k, n, bias=False, recipe=RECIPES[name](), fallback="never",
-                            device=device, dtype=torch.bfloat16)
+        layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    else:
+        layer = fp8ops.FP8Linear(k, n, bias=False, recipe=RECIPES[name](), fallback="never",
+                                 device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    return _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
+
+
+def _activities(device):
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
 
 def timeline(m, k, n, device, width=64):
@@ -95,16 +100,11 @@ def timeline(m, k, n, device, width=64):
     the time in kernels and the time in none (launch gaps and host waits the GPU sees)."""
     lines = []
     for name in ["bf16", *RECIPES]:
-        torch.manual_seed(0)
-        layer = _make_layer(name, k, n, device)
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-        step = _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))
+        step = _variant_step(name, m, k, n, device)
         for _ in range(5):
             step()
         _sync(device)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=_activities(device)) as prof:
             step()
             _sync(device)
         gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),

@@ -54,34 +54,31 @@ if want build; then
 fi
 python3 -c "import fp8ops; print('backend:', fp8ops.backend(), '-', fp8ops.backend().reason)" 2>&1 | tee -a "$OUT/env.txt"
 
-if want test; then
-  section "pytest -m gpu"
-  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-  timeout 600 python3 -m pytest -q -m gpu tests $XDIST -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+gpu_tests() {  # $1: time limit (s), $2: pytest-xdist workers; the rest: what pytest runs
+  local limit=$1 workers=$2; shift 2
+  section "pytest -m gpu ($*)"
+  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n $workers")
+  timeout "$limit" python3 -m pytest -q -m gpu "$@" $XDIST -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
   rc=$?; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.log" | tail -30; record $rc pytest_gpu
+}
 
-  section "compute-sanitizer memcheck (every op)"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_ops.py \
-    > "$OUT/memcheck.log" 2>&1
-  rc=$?; tail -4 "$OUT/memcheck.log"; record $rc memcheck
+sanitize() {  # $1: memcheck or racecheck, $2: time limit (s); racecheck runs the shared-memory kernels
+  section "compute-sanitizer $1"
+  timeout "$2" compute-sanitizer --tool "$1" --error-exitcode 3 python3 scripts/sanitize_ops.py \
+    $([ "$1" = racecheck ] && echo --race) > "$OUT/$1.log" 2>&1
+  rc=$?; tail -4 "$OUT/$1.log"; record $rc "$1"
+}
 
-  section "compute-sanitizer racecheck (shared-memory kernels)"
-  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 python3 scripts/sanitize_ops.py --race \
-    > "$OUT/racecheck.log" 2>&1
-  rc=$?; tail -4 "$OUT/racecheck.log"; record $rc racecheck
+if want test; then
+  gpu_tests 600 8 tests
+  sanitize memcheck 300
+  sanitize racecheck 300
 fi
 
 if want quicktest; then
-  section "pytest -m gpu (${QUICK_TESTS:=tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py})"
-  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
   # shellcheck disable=SC2086
-  timeout 120 python3 -m pytest -q -m gpu $QUICK_TESTS $XDIST -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
-  rc=$?; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.log" | tail -20; record $rc pytest_gpu
-
-  section "compute-sanitizer racecheck (shared-memory kernels)"
-  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 3 python3 scripts/sanitize_ops.py --race \
-    > "$OUT/racecheck.log" 2>&1
-  rc=$?; tail -4 "$OUT/racecheck.log"; record $rc racecheck
+  gpu_tests 120 12 ${QUICK_TESTS:-tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  sanitize racecheck 45
 fi
 
 if want quickbench; then
