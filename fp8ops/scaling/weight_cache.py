@@ -267,6 +267,7 @@ class WeightCache:
         where, values = weight_key(weight, source)
         entry = self.entry
         generation = self.generation.value
+        self._grad_from_cast = False  # (a backward whose gradient was never accumulated)
         if self._vouched == generation:
             trust = KEY
         inference = torch.is_inference_mode_enabled()
