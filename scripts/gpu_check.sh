@@ -77,7 +77,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests 120 12 ${QUICK_TESTS:-tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 
