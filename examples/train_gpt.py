@@ -1,17 +1,34 @@
-"""Train a small GPT on the Python reference manual, in the baseline precision and with each
-fp8ops recipe, and compare: final train / validation loss, gap to the baseline, tokens/s, memory.
+"""Train a small GPT or Llama-style decoder on the Python reference manual, in the baseline
+precision and with each fp8ops recipe, and compare: final train / validation loss, gap to the
+baseline, tokens/s, memory.
 
     python examples/train_gpt.py                    # CPU default (emulation backend), a few minutes
-    python examples/train_gpt.py --size gpu         # larger model and longer run on a CUDA GPU
+    python examples/train_gpt.py --size gpu         # Llama-style, 412M parameters, on one H100/H200
+    python examples/train_gpt.py --size gpu-gpt2    # the earlier GPU preset: GPT, d_model 768
+    python examples/train_gpt.py --arch llama       # any preset with the other architecture
     python examples/train_gpt.py --offload          # fp8ops.CPUOffloadOptimizer(AdamW) instead
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
 
+Presets (--size; every field can be overridden by its flag): cpu (the default: GPT d_model 128, 2
+layers, batch 16 x seq 64, 200 steps), tiny (GPT d_model 64, 1 layer, 6 steps: the tests'), gpu
+(Llama-style d_model 2048, 8 layers, 16 heads, SwiGLU hidden 5632, 412.1M parameters; batch 8 x
+seq 1024 = 8192 tokens a step, 300 steps, lr 3e-4: GEMMs of 8192 tokens and 2048 to 6144
+features, sized for FP8 to gain on an H100/H200) and gpu-gpt2 (the earlier gpu preset: GPT
+d_model 768, 8 layers, 12 heads, 57.3M parameters, batch 32 x seq 256, 2000 steps, lr 1e-3; at
+this size the FP8 casts cost more than the GEMMs save). --arch picks the model: gpt
+(examples/gpt.py: pre-LayerNorm, learned positions, GELU MLP, biases) or llama
+(examples/llama.py: pre-RMSNorm, rotary positions, SwiGLU MLP, no biases); the default is the
+preset's. The text is about 420 KB (train split) and 47 KB (validation split), and every batch
+takes windows of seq_len + 1 bytes at random starts, with replacement: the gpu preset goes over
+the train split about 6 times and overfits it.
+
 Every run starts from the same seed, sees the same batches in the same order and is evaluated on
 the same fixed validation batches. The FP8 runs convert the transformer blocks' nn.Linear layers
-(qkv, attention projection, MLP up / down) with fp8ops.convert_to_fp8; the token / position
-embeddings and the LM head stay in high precision (filter_fn), as do LayerNorm, softmax-attention
-and the loss. Baseline precision: float32 on CPU; on CUDA every run (the baseline and the
-non-FP8 ops of the FP8 runs) runs under bfloat16 autocast.
+(qkv, attention projection, MLP up / down, and gate for llama) with fp8ops.convert_to_fp8; the
+token / position embeddings and the LM head stay in high precision (filter_fn), as do LayerNorm /
+RMSNorm, the rotary embedding, softmax-attention and the loss. Baseline precision: float32 on
+CPU; on CUDA every run (the baseline and the non-FP8 ops of the FP8 runs) runs under bfloat16
+autocast.
 Optimizer: AdamW, or with --offload fp8ops.CPUOffloadOptimizer(AdamW): FP32 masters and AdamW
 state on the host, the FP8 layers' weights on the device in FP8 only. The "device state" column
 counts exactly (fp8ops.memory.device_state_bytes, just before the last optimizer step) the device
@@ -56,6 +73,7 @@ import fp8ops  # noqa: E402
 from fp8ops.memory import device_state_bytes  # noqa: E402
 from data import VOCAB_SIZE, Batches, fixed_batches, load_tokens  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from llama import Llama, LlamaConfig  # noqa: E402
 import scaling_report  # noqa: E402
 
 RECIPES = {
@@ -74,21 +92,47 @@ DEFAULT_RECIPES = ["baseline", "delayed", "current", "current_stochastic", "mxfp
 # into different losses, so README.md's tables hold for this thread count.
 SIZES = {
     "cpu": dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2,
-                n_head=4, lr=3e-3, eval_every=50, eval_batches=8, threads=2),
-    "gpu": dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768, n_layer=8,
-                n_head=12, lr=1e-3, eval_every=200, eval_batches=32),
+                n_head=4, lr=3e-3, eval_every=50, eval_batches=8, threads=2, arch="gpt"),
+    # Llama-style, 412.1M parameters (411.0M of them in the blocks' Linears, which go to FP8):
+    # GEMMs of 8192 tokens with K and N of 2048 to 6144, large enough for FP8 to pay for its
+    # casts. AdamW's parameters, gradients and state: 16 bytes a parameter, 6.6 GB.
+    "gpu": dict(device="cuda", steps=300, batch_size=8, seq_len=1024, d_model=2048, n_layer=8,
+                n_head=16, lr=3e-4, eval_every=100, eval_batches=8, arch="llama"),
+    # the GPT-2-style preset that --size gpu was until the Llama-style one (README.md's H200
+    # table): at d_model 768 the FP8 casts cost more than the GEMMs save
+    "gpu-gpt2": dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768,
+                     n_layer=8, n_head=12, lr=1e-3, eval_every=200, eval_batches=32, arch="gpt"),
     "tiny": dict(device="cpu", steps=6, batch_size=4, seq_len=32, d_model=64, n_layer=1,
-                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2, threads=1),
+                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2, threads=1, arch="gpt"),
 }
+SEQ_LEN_HELP = ("; any length below the train split's 420 KB: every batch takes windows of "
+                "seq_len + 1 bytes at random starts, with replacement, so the gpu preset's 300 "
+                "steps of 8192 tokens go over the split about 6 times and its model overfits it: "
+                "compare the recipes with each other, not with a real corpus's losses")
+ARCHS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
+SIZES_HELP = ("preset (default: cpu): cpu = GPT d_model 128, 2 layers, batch 16 x seq 64, float32 "
+              "on the CPU; gpu = Llama-style (RMSNorm, rotary, SwiGLU 5632) d_model 2048, 8 "
+              "layers, 16 heads, 412.1M parameters, batch 8 x seq 1024 = 8192 tokens a step, "
+              "300 steps, for one H100/H200; gpu-gpt2 = the earlier gpu preset: GPT d_model 768, "
+              "8 layers, 57.3M parameters, batch 32 x seq 256, 2000 steps; tiny = GPT d_model 64, "
+              "1 layer, 6 steps (the tests' size)")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=SIZES, default="cpu", help="preset (default: cpu)")
+    p.add_argument("--size", choices=SIZES, default="cpu", help=SIZES_HELP)
+    p.add_argument("--arch", choices=ARCHS, default=None,
+                   help="gpt (examples/gpt.py: LayerNorm, learned positions, GELU MLP, biases) or "
+                        "llama (examples/llama.py: RMSNorm, rotary positions, SwiGLU MLP of 8/3 "
+                        "d_model rounded up to a multiple of 256, no biases); default: the "
+                        "preset's (llama for gpu, else gpt)")
     for name in ("steps", "batch_size", "seq_len", "d_model", "n_layer", "n_head", "eval_every",
                  "eval_batches"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help="default: the preset's" + SEQ_LEN_HELP * (name == "seq_len"))
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: the preset's), after a linear warmup and "
+                        "down to a tenth of it along a cosine")
     p.add_argument("--device", default=None, help="cpu or cuda (default: from --size)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps/10)")
     p.add_argument("--seed", type=int, default=0)
@@ -247,6 +291,19 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------------------
 # one run
 # ---------------------------------------------------------------------------------------------
+def build_model(args) -> torch.nn.Module:
+    """The --arch model of the run's sizes, on the current default device."""
+    model_cls, cfg_cls = ARCHS[args.arch]
+    return model_cls(cfg_cls(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model,
+                             n_layer=args.n_layer, n_head=args.n_head))
+
+
+def count_params(args) -> int:
+    """The model's parameter count, from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(args).parameters())
+
+
 def keep_high_precision(module, fqn):
     """filter_fn for convert_to_fp8: only the transformer blocks' Linears go to FP8."""
     return fqn.startswith("blocks.")
@@ -274,9 +331,7 @@ def run(name, args, train_tokens, val_batches, ranks):
     device = ranks.device
     recipe = RECIPES[name]()
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model,
-                    n_layer=args.n_layer, n_head=args.n_head)
-    model = GPT(cfg).to(device)
+    model = build_model(args).to(device)
     if recipe is not None:
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision,
                               fallback=args.fallback)
@@ -359,9 +414,12 @@ def table(results, args, device, ranks):
                     f"{gap} | {r['tokens_per_s']:.0f} | {r['peak_mem_mib']:.1f} | "
                     f"{r['device_state_mib']:.2f} |")
     backend = fp8ops.backend(device)
-    head = (f"GPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} "
-            f"seq_len={args.seq_len} batch={args.batch_size} steps={args.steps} lr={args.lr} "
-            f"seed={args.seed} threads={torch.get_num_threads()}; device={device} "
+    ffn = f"ffn_hidden={LlamaConfig(d_model=args.d_model).ffn_hidden} "
+    head = (("GPT" if args.arch == "gpt" else "Llama-style") + f" d_model={args.d_model} "
+            f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") +
+            f"params={count_params(args) / 1e6:.1f}M seq_len={args.seq_len} "
+            f"batch={args.batch_size} steps={args.steps} lr={args.lr} seed={args.seed} "
+            f"threads={torch.get_num_threads()}; device={device} "
             f"({'bf16 autocast' if device.type == 'cuda' else 'float32'} baseline); optimizer="
             f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "

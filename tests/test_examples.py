@@ -71,7 +71,9 @@ def _run_demo(out, *extra):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return (out / "results.md").read_text(), json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert md in proc.stdout  # the table is printed
+    return md, json.loads((out / "results.json").read_text())
 
 
 def test_train_gpt_offload_tiny(tmp_path):
@@ -86,6 +88,101 @@ def test_train_gpt_offload_tiny(tmp_path):
         # float32 master + gradient + AdamW state (16 bytes per parameter) against 4 bytes for
         # the other parameters and 2 for the FP8 weights
         assert o["device_state_mib"] < 0.3 * p["device_state_mib"], (o["name"], o, p)
+
+
+def test_train_gpt_llama_tiny(tmp_path):
+    """--arch llama at the tiny preset (with Linear dims of multiples of 128): the baseline and
+    an FP8 recipe train from the same weights and data, and the table says which model ran."""
+    md, res = _run_demo(tmp_path, "--arch", "llama", "--d-model", "128", "--seq-len", "64")
+    assert md.startswith("Llama-style d_model=128 n_layer=1 n_head=2 ffn_hidden=512 params=")
+    assert res["args"]["arch"] == "llama"
+    results = res["results"]
+    assert [r["name"] for r in results] == ["baseline", "delayed"]
+    for r in results:
+        assert f"| {r['name']} |" in md
+        assert len(r["train_curve"]) == 3 and [s for s, _ in r["val_curve"]] == [3]
+        losses = r["train_curve"] + [v for _, v in r["val_curve"]]
+        assert all(math.isfinite(v) and 0 < v < 10 for v in losses), (r["name"], losses)
+        assert abs(r["train_curve"][0] - results[0]["train_curve"][0]) < 0.05
+    assert results[1]["device_state_mib"] > results[0]["device_state_mib"]  # + FP8 weights
+
+
+def _examples(code: str):
+    """What `code` prints as JSON, run beside examples/train_gpt.py in a fresh interpreter (the
+    demo's modules, data.py among them, stay out of the test process)."""
+    prog = ("import json, os, sys; sys.path.insert(0, os.path.join(os.getcwd(), 'examples'))\n"
+            "import torch, train_gpt\n" + code)
+    proc = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_llama_block_linears_go_to_fp8():
+    """convert_to_fp8 with the demo's filter_fn takes every block Linear of the Llama-style
+    model (qkv, proj, gate, up, down; none has a bias) and leaves the LM head in high precision."""
+    got = _examples("""
+args = train_gpt.parse_args(['--size', 'tiny', '--arch', 'llama', '--n-layer', '2'])
+model = train_gpt.build_model(args)
+train_gpt.fp8ops.convert_to_fp8(model, train_gpt.fp8ops.DelayedScaling(),
+                                filter_fn=train_gpt.keep_high_precision, fallback='never')
+print(json.dumps({n: [type(m).__name__, m.bias is None] for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) or type(m).__name__ == 'FP8Linear'}))
+""")
+    want = {f"blocks.{i}.{name}": ["FP8Linear", True] for i in range(2)
+            for name in ("attn.qkv", "attn.proj", "mlp.gate", "mlp.up", "mlp.down")}
+    assert got == {**want, "lm_head": ["Linear", True]}
+
+
+# the presets that README.md's tables and the GPU measurements were made with
+GPU_GPT2 = dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768, n_layer=8,
+                n_head=12, lr=1e-3, eval_every=200, eval_batches=32, arch="gpt")
+CPU = dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2, n_head=4,
+           lr=3e-3, eval_every=50, eval_batches=8, threads=2, arch="gpt")
+TINY = dict(device="cpu", steps=6, batch_size=4, seq_len=32, d_model=64, n_layer=1, n_head=2,
+            lr=3e-3, eval_every=3, eval_batches=2, threads=1, arch="gpt")
+
+
+def test_gpu_preset_size():
+    """--size gpu, built on the meta device (no memory): the Llama-style model whose parameter
+    count the help and README.md give, every block Linear's dims multiples of 128, parameters
+    + gradients + AdamW state + FP8 weight copies well inside one 80 GB H100, and batches of
+    seq_len 1024 from the data pipeline; gpu-gpt2 is the earlier gpu preset, and cpu and tiny
+    (README.md's tables) did not move."""
+    got = _examples("""
+args = train_gpt.parse_args(['--size', 'gpu'])
+with torch.device('meta'):
+    model = train_gpt.build_model(args)
+linears = {n: (list(m.weight.shape), m.bias is None) for n, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear)}
+train, val = train_gpt.load_tokens()
+x, y = train_gpt.Batches(train, args.batch_size, args.seq_len, seed=1).next()
+vx, vy = train_gpt.fixed_batches(val, args.eval_batches, args.batch_size, args.seq_len, seed=2)[-1]
+print(json.dumps(dict(args=vars(args), params=train_gpt.count_params(args),
+                      model=type(model).__name__, ffn=model.cfg.ffn_hidden, linears=linears,
+                      batch=[list(x.shape), bool((x[:, 1:] == y[:, :-1]).all()), list(vy.shape)],
+                      sizes=train_gpt.SIZES, help=train_gpt.SIZES_HELP)))
+""")
+    a = got["args"]
+    assert (a["arch"], a["device"], a["d_model"], a["n_layer"], a["n_head"], a["seq_len"],
+            a["batch_size"], a["steps"], a["eval_every"]) == ("llama", "cuda", 2048, 8, 16, 1024,
+                                                              8, 300, 100)
+    assert 3e-4 <= a["lr"] <= 6e-4 and got["model"] == "Llama" and got["ffn"] == 5632
+    n = got["params"]
+    assert f"{n / 1e6:.1f}M" == "412.1M"
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "412.1M parameters" in got["help"] and "412.1M parameters" in readme
+    assert "8192 tokens" in got["help"] and "8192 tokens" in readme
+    block = {k: v for k, v in got["linears"].items() if k.startswith("blocks.")}
+    assert len(block) == 5 * 8
+    assert all(o % 128 == 0 and i % 128 == 0 and no_bias for (o, i), no_bias in block.values())
+    fp8_weights = sum(o * i for (o, i), _ in block.values())
+    # float32 parameters, gradients and AdamW's two moments, plus each FP8 weight and its
+    # transposed copy: 6.6 GB, under a tenth of the card (the rest is for activations)
+    assert n * 16 + fp8_weights * 2 < 8e9
+    assert got["batch"] == [[8, 1024], True, [8, 1024]]
+    assert got["sizes"]["gpu-gpt2"] == GPU_GPT2
+    assert got["sizes"]["cpu"] == CPU and got["sizes"]["tiny"] == TINY
 
 
 def _torchrun(*args, nproc=2):
