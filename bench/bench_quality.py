@@ -38,7 +38,6 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",")]
     recipes = args.recipes.split(",")
     val = {r: [] for r in recipes}
-    device = train_gpt.torch.device(args.device)
     start = time.time()
     for seed in seeds:
         targs = train_gpt.parse_args(["--size", "cpu", "--steps", str(args.steps), "--seed",
@@ -47,8 +46,9 @@ def main():
         train_tokens, val_tokens = train_gpt.load_tokens()
         val_batches = train_gpt.fixed_batches(val_tokens, targs.eval_batches, targs.batch_size,
                                               targs.seq_len, seed=12345)  # one validation set
+        ranks = train_gpt.Ranks(targs)  # one process
         for name in recipes:
-            r = train_gpt.run(name, targs, train_tokens, val_batches, device)
+            r = train_gpt.run(name, targs, train_tokens, val_batches, ranks)
             val[name].append(r["final_val_loss"])
             print(f"seed {seed} {name:20s} val {r['final_val_loss']:.4f}  "
                   f"({time.time() - start:.0f} s)", flush=True)
