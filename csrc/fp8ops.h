@@ -231,6 +231,30 @@ struct TransposeBytesParams {
 void launch_transpose_bytes(const TransposeBytesParams& p, cudaStream_t stream);
 // ==== END cast kernels ====
 
+// ---- cast statistics (stats.cu) ---------------------------------------------------------------
+// fp8ops.monitor's statistics of one cast (emulation.cast_stats; stats_cpu.cpp on the CPU), one
+// kernel: over x [rows, cols] and its FP8 data read at the same indices (any strides, in elements;
+// data's padding beyond x is not read), each value read back as raw * multiplier in float32, the
+// multiplier *scale_inv (block_rows = block_cols = 0) or that of the element's block_rows x
+// block_cols tile, scale_inv[(r / block_rows) * scale_stride0 + (c / block_cols) * scale_stride1]
+// (float32, or E8M0 bytes: 2^(e - 127), 0xFF NaN). counts = [saturated, underflow, non-finite],
+// amax = max |x| (NaN if any is NaN; 0 when empty); both zeroed on the stream first.
+struct CastStatsParams {
+  const void* x;
+  DType x_dtype;  // kFloat32, kBFloat16 or kFloat16
+  int64_t rows, cols, x_stride0, x_stride1;
+  const uint8_t* data;
+  DType data_dtype;  // kE4M3 or kE5M2
+  int64_t data_stride0, data_stride1;
+  const void* scale_inv;
+  DType scale_dtype;  // kFloat32, or kUInt8 (blocks only)
+  int64_t scale_stride0, scale_stride1;
+  int64_t block_rows, block_cols;
+  int64_t* counts;  // device, 3 elements
+  float* amax;      // device, 1 element
+};
+void launch_cast_stats(const CastStatsParams& p, cudaStream_t stream);
+
 // ==== BEGIN gemm ====
 // CUTLASS Hopper FP8 GEMM (gemm_sm90*.cu, sm_90a): D[M,N] = alpha * (A[M,K] @ B[N,K]^T) + bias[N],
 // FP32 accumulation, A and B K-major (row-major, TN). Operand pairs E4M3 x E4M3 and E5M2 x E4M3;

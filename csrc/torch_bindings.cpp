@@ -680,6 +680,70 @@ FusedCast quantize_mx_pair_cuda(const at::Tensor& x, at::ScalarType dtype, int64
   auto [col, col_scales] = quantize_mx_cuda(xp, dtype, block_size, 0, rceil);
   return {row, row_scales, col, col_scales, column_sums(xc, sum_dtype)};
 }
+
+// fp8ops.monitor's statistics of one cast (emulation.cast_stats): one kernel over the 2-D views
+// of x and data ([rows, last dim], as the emulation's _as_2d), read in place with their strides.
+std::tuple<at::Tensor, at::Tensor> cast_stats_cuda(const at::Tensor& x, const at::Tensor& data,
+                                                   const at::Tensor& scale_inv, int64_t block_rows,
+                                                   int64_t block_cols) {
+  check_input(x, "x");
+  check_fp8(data, "data");
+  check_cuda(scale_inv, "scale_inv");
+  check_same_device(data, x, "data", "x");
+  check_same_device(scale_inv, x, "scale_inv", "x");
+  auto [rows, cols] = rows_cols(x);
+  auto [drows, dcols] = rows_cols(data);
+  FP8OPS_CHECK(drows >= rows && dcols >= cols, "fp8ops: cast_stats: data ", shape_str(data),
+               " is smaller than x ", shape_str(x), " (as [rows, last dim]: [", drows, ", ", dcols, "] < [", rows,
+               ", ", cols, "])");
+  const bool one = block_rows == 0 && block_cols == 0;
+  FP8OPS_CHECK(one || (block_rows > 0 && block_cols > 0), "fp8ops: cast_stats: block_rows and block_cols must both "
+               "be 0 (one scale) or positive, got ", block_rows, " and ", block_cols);
+  const auto st = scale_inv.scalar_type();
+  if (one) {
+    FP8OPS_CHECK(scale_inv.numel() == 1 && scale_inv.is_floating_point(), "fp8ops: cast_stats: scale_inv must be "
+                 "one floating-point value (blocks 0 x 0), got ", dtype_str(st), " ", shape_str(scale_inv));
+  } else {
+    const int64_t rb = (rows + block_rows - 1) / block_rows, cb = (cols + block_cols - 1) / block_cols;
+    FP8OPS_CHECK(scale_inv.dim() == 2 && (scale_inv.is_floating_point() || st == at::kByte),
+                 "fp8ops: cast_stats: block scale_inv must be 2-D, floating point (read as float32) or uint8 "
+                 "(E8M0), got ", dtype_str(st), " ", shape_str(scale_inv));
+    FP8OPS_CHECK(scale_inv.size(0) >= rb && scale_inv.size(1) >= cb, "fp8ops: cast_stats: scale_inv ",
+                 shape_str(scale_inv), " must cover x's ", block_rows, "x", block_cols, " blocks: at least [", rb,
+                 ", ", cb, "] for x of shape ", shape_str(x));
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({rows, cols});
+  const at::Tensor d2 = data.dim() == 2 ? data : data.reshape({drows, dcols});
+  const at::Tensor s = st == at::kByte ? scale_inv : scale_inv.to(at::kFloat);  // (float32 as it is)
+  at::Tensor counts = at::empty({3}, x.options().dtype(at::kLong));
+  at::Tensor amax = at::empty({}, x.options().dtype(at::kFloat));
+  fp8ops::CastStatsParams p{};
+  p.x = x2.data_ptr();
+  p.x_dtype = to_dtype(x2.scalar_type());
+  p.rows = rows;
+  p.cols = cols;
+  p.x_stride0 = x2.stride(0);
+  p.x_stride1 = x2.stride(1);
+  p.data = static_cast<const uint8_t*>(d2.data_ptr());
+  p.data_dtype = to_dtype(d2.scalar_type());
+  p.data_stride0 = d2.stride(0);
+  p.data_stride1 = d2.stride(1);
+  p.scale_inv = s.data_ptr();
+  p.scale_dtype = one || st != at::kByte ? fp8ops::DType::kFloat32 : fp8ops::DType::kUInt8;
+  p.scale_stride0 = one ? 0 : s.stride(0);
+  p.scale_stride1 = one ? 0 : s.stride(1);
+  p.block_rows = block_rows;
+  p.block_cols = block_cols;
+  p.counts = counts.data_ptr<int64_t>();
+  p.amax = amax.data_ptr<float>();
+  try {
+    fp8ops::launch_cast_stats(p, stream_of(x2));
+  } catch (const std::exception& e) {
+    FP8OPS_CHECK(false, e.what());
+  }
+  return {counts, amax};
+}
 // ==== END cast bindings ====
 
 // ==== BEGIN gemm bindings ====
@@ -998,6 +1062,7 @@ TORCH_LIBRARY_IMPL(fp8ops, CUDA, m) {
   m.impl("quantize_delayed", &quantize_delayed_cuda);
   m.impl("quantize_blockwise_pair", &quantize_blockwise_pair_cuda);
   m.impl("quantize_mx_pair", &quantize_mx_pair_cuda);
+  m.impl("cast_stats", &cast_stats_cuda);
   // ==== END cast registrations ====
   // ==== BEGIN gemm registrations ====
   m.impl("gemm", &gemm_cuda);

@@ -18,8 +18,9 @@ Per FP8 layer and role (input, weight, grad), at the last sampled cast:
 and per FP8 layer, counted on every call (not sampled):
   high_precision_calls   calls its fallback ran in high precision (fp8ops.nn.fallback)
 With no monitor attached nothing is computed (one `is None` test per cast). On a sampled step
-each cast adds one read of its tensor and its FP8 data, on the device (ops.cast_stats: one pass
-of the CPU kernels; the emulation reads pieces of a bounded size), and no full-size temporary;
+each cast adds one read of its tensor and its FP8 data, on the device (ops.cast_stats: on CUDA
+one kernel, csrc/stats.cu; on the CPU one pass of the CPU kernels; the emulation, where neither
+is built, reads pieces of a bounded size), and no full-size temporary;
 only stats() reads the values back (one host sync per call). raise_on_nonfinite=True checks each sampled cast on
 the host and raises FloatingPointError naming the layer and role.
 """

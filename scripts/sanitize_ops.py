@@ -60,6 +60,12 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     ops.dequantize(q.reshape(-1)[3:], s, dt)
     ops.transpose_fp8(q)
     ops.transpose_fp8(q.reshape(-1)[1:1 + 36 * 129].view(36, 129))
+    # the monitor's statistics: vector and tail paths, a strided and an unaligned x, block scales
+    ops.cast_stats(x, q, s.reciprocal(), 0, 0)
+    ops.cast_stats(x.t(), q.t(), s.reciprocal(), 0, 0)
+    ops.cast_stats(x.reshape(-1)[3:3 + 36 * 129].view(36, 129), q[:36, :129], s.reciprocal(), 0, 0)
+    d, si = ops.quantize_blockwise(x, F8, 1, 128, False)
+    ops.cast_stats(x, d, si, 1, 128)
     xm = (torch.randn(6, 96, 5, device="cuda")).to(dt)
     for axis in (-1, 0, 1):
         if xm.shape[axis] % 32 == 0 or axis == 1:

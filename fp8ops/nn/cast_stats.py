@@ -45,8 +45,9 @@ def _fractions(x: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, blo
                block_cols: int = 0) -> Dict[str, torch.Tensor]:
     """Saturation, underflow and non-finite counts of a cast and its input's amax, read in one
     op (ops.cast_stats: no full-size temporary, so that a sampled step takes no more memory than
-    another). Saturated: cast to the format's max although more than half an ulp of max above it
-    (a clamp, not a rounding); underflow: non-zero, cast to zero."""
+    another; on CUDA one kernel, csrc/stats.cu). Saturated: cast to the format's max although
+    more than half an ulp of max above it (a clamp, not a rounding); underflow: non-zero, cast
+    to zero."""
     counts, amax = torch.ops.fp8ops.cast_stats(x, data, scale_inv, block_rows, block_cols)
     n = max(x.numel(), 1)
     return {"saturated_frac": counts[0] / n, "underflow_frac": counts[1] / n,
