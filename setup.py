@@ -99,6 +99,20 @@ def _cpu_extension(cpp_extension):
     )
 
 
+def _step_extension(cpp_extension):
+    """fp8ops._step: the layer step as two dispatcher calls (csrc/step/): autograd glue in C++
+    over the fp8ops ops, no kernels of its own, so it builds with any C++ compiler and serves
+    CPU and CUDA tensors alike."""
+    if os.environ.get("FP8OPS_SKIP_CPU_BUILD", "0") == "1":
+        print("fp8ops: FP8OPS_SKIP_CPU_BUILD=1, not building the C++ step (fp8ops._step)")
+        return None
+    return cpp_extension.CppExtension(
+        name="fp8ops._step",
+        sources=sorted(glob.glob("csrc/step/*.cpp")),
+        extra_compile_args={"cxx": ["-O2", "-DNDEBUG"]},
+    )
+
+
 def _cuda_extension(torch, cpp_extension):
     if os.environ.get("FP8OPS_SKIP_CUDA_BUILD", "0") == "1":
         print("fp8ops: FP8OPS_SKIP_CUDA_BUILD=1, not building the CUDA extension")
@@ -181,7 +195,8 @@ def _extensions():
         print("fp8ops: torch not importable at build time (use --no-build-isolation); "
               "building the pure-Python package only")
         return [], {}
-    exts = [e for e in (_cpu_extension(cpp_extension), _cuda_extension(torch, cpp_extension)) if e]
+    exts = [e for e in (_cpu_extension(cpp_extension), _step_extension(cpp_extension),
+                        _cuda_extension(torch, cpp_extension)) if e]
     return exts, ({"build_ext": _gemm_arch_build_ext(cpp_extension)} if exts else {})
 
 

@@ -59,14 +59,19 @@ def _timed(fn, device, calls: int, warmup: int):
     return host, (time.perf_counter() - t) / calls
 
 
+# "<recipe>:python": the same layer on the Python path (FP8Linear.cpp_step = False), beside
+# the C++ step it takes by default
+VARIANTS = ["bf16", *RECIPES, *(f"{r}:python" for r in RECIPES)]
+
+
 def profile_shape(m, k, n, device, rows, steps=50):
     lines = []
-    for name in ["bf16", *RECIPES]:
+    for name in VARIANTS:
         step = _variant_step(name, m, k, n, device)
         host, wall = _timed(step, device, steps, warmup=10)
         lines.append(f"== {name} M={m} K={k} N={n}: host {host * 1e6:.0f} us/step, "
                      f"wall {wall * 1e6:.0f} us/step")
-        if name != "bf16":
+        if name in RECIPES:
             with profile(activities=_activities(device)) as prof:
                 for _ in range(5):
                     step()
@@ -78,13 +83,15 @@ def profile_shape(m, k, n, device, rows, steps=50):
 
 def _variant_step(name, m, k, n, device):
     """One training step of a bf16 layer [n, k] ("bf16": nn.Linear; else an FP8Linear of that
-    recipe) on m tokens, on fresh random data."""
+    recipe, "<recipe>:python" on the Python path) on m tokens, on fresh random data."""
     torch.manual_seed(0)
     if name == "bf16":
         layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     else:
-        layer = fp8ops.FP8Linear(k, n, bias=False, recipe=RECIPES[name](), fallback="never",
+        recipe, _, path = name.partition(":")
+        layer = fp8ops.FP8Linear(k, n, bias=False, recipe=RECIPES[recipe](), fallback="never",
                                  device=device, dtype=torch.bfloat16)
+        layer.cpp_step = path != "python"
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     return _step(layer, x, dy, torch.optim.SGD(layer.parameters(), lr=1e-4))

@@ -100,7 +100,7 @@ if want quickbench; then
   section "table for bench/RESULTS.md"
   cat "$OUT/env.txt"
   echo; echo "Host time of one layer step (bench/profile_linear.py):"
-  grep -E "^== (bf16|current|delayed) M=" "$OUT/profile_linear.log"
+  grep -E "^== (bf16|current|delayed)(:python)? M=" "$OUT/profile_linear.log"
   echo; echo "GPU timeline of one step (bench/profile_linear.py --timeline 16384x8192x1280):"
   grep -E "^== timeline|^   span" "$OUT/profile_linear.log"
   echo; sed -n '/^| M |/,/^| geomean/p' "$OUT/results/linear.md" 2>/dev/null

@@ -16,9 +16,9 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build
 # The editable install serves Python changes live; rebuild only when the C++/CUDA sources, the
 # build files or the build switches changed since the last successful build.
-sources=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
+sources=$(cat setup.py pyproject.toml $(find csrc -type f | LC_ALL=C sort) | sha256sum | cut -c1-16)
 stamp_for() { echo "$sources-$1-${FP8OPS_SKIP_CPU_BUILD:-0}-${CUDA_HOME:-}"; }  # $1: skip CUDA
-built() { ls fp8ops/_C*.so fp8ops/_cpu*.so 2>/dev/null || true; }  # the built extensions
+built() { ls fp8ops/_C*.so fp8ops/_cpu*.so fp8ops/_step*.so 2>/dev/null || true; }  # the built extensions
 so_count() { built | wc -l; }
 built_as() { [ "$(cat build/.stamp 2>/dev/null)" = "$(stamp_for "$1")-$(so_count)" ]; }
 gpu_visible() { python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # (conftest.py says why)
 
 def test_smoke_profiles_every_variant():
     out = profile_linear.main(["--device", "cpu", "--smoke", "--rows", "40"])
-    for name in ("bf16", "current", "delayed"):
+    for name in ("bf16", "current", "delayed", "current:python", "delayed:python"):
         assert f"== {name} M=64 K=128 N=96: host " in out, out
+    # the C++ step, and the ops it calls through the dispatcher
+    assert "fp8ops_step::linear_current" in out and "fp8ops_step::linear_delayed" in out
     assert "fp8ops::quantize_current" in out and "fp8ops::quantize_delayed" in out
     assert "fp8ops::gemm" in out
 

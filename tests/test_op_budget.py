@@ -36,9 +36,14 @@ BUDGET = {
 GOAL = {"delayed": 6, "current": 6, "mxfp8": 8, "blockwise": 8}  # with the weight cached
 # Python function calls of one forward + backward (op_count.python_calls), per kind of step
 PYTHON_BUDGET = {
-    "accumulate": {"delayed": 133, "current": 108, "mxfp8": 96, "blockwise": 94},
-    "first": {"delayed": 144, "current": 112, "mxfp8": 100, "blockwise": 96},
+    "accumulate": {"delayed": 30, "current": 30, "mxfp8": 79, "blockwise": 30},
+    "first": {"delayed": 29, "current": 29, "mxfp8": 83, "blockwise": 29},
 }
+# The goal (docs/design.md): a step of a recipe the C++ step serves (fp8ops/nn/step.py) enters
+# at most this many, cast cached or not; nn.Linear's, measured in the same run, is 23 (MXFP8
+# is still on the Python path: its goal, 34, is not met)
+PYTHON_GOAL = {"current": 30, "delayed": 30, "blockwise": 34}
+FALLBACK_PYTHON_GOAL = 26  # a call the layer's fallback sends to nn.Linear's GEMMs
 PYTHON_SLACK = 5
 CASES = [(step, recipe) for step in op_count.STEPS for recipe in sorted(BUDGET[step])]
 
@@ -158,3 +163,20 @@ def test_python_budget_is_near_the_counts(counts):
              for step, recipe in CASES
              if counts[step][recipe]["python_calls"] + PYTHON_SLACK < PYTHON_BUDGET[step][recipe]}
     assert not loose, f"lower PYTHON_BUDGET to the counts: {loose}"
+
+
+@pytest.mark.parametrize("step", op_count.STEPS)
+@pytest.mark.parametrize("recipe", sorted(PYTHON_GOAL))
+def test_cpp_step_meets_the_python_goal(counts, step, recipe):
+    got, linear = counts[step][recipe]["python_calls"], counts[step]["nn.Linear"]["python_calls"]
+    assert got <= PYTHON_GOAL[recipe], (step, recipe, got, "nn.Linear:", linear)
+    assert got - linear <= 7, (step, recipe, got, linear)
+
+
+def test_a_fallback_call_meets_its_python_goal():
+    layer = fp8ops.FP8Linear(256, 384, fallback=fp8ops.Crossover(min_tokens=1 << 30))
+    got = op_count.count_step(layer)
+    linear = op_count.count_step(torch.nn.Linear(256, 384))
+    assert layer.fp8_state.high_precision_calls > 0
+    assert got["python_calls"] <= FALLBACK_PYTHON_GOAL, (got["python_calls"], linear)
+    assert got["launches"] == linear["launches"], got["by_op"]

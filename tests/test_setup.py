@@ -50,6 +50,19 @@ def test_cpu_extension_sources_and_switch(setup_ns, monkeypatch):
     assert setup_ns["_cpu_extension"](cpp_extension) is None
 
 
+def test_step_extension_sources_and_switch(setup_ns, monkeypatch):
+    """fp8ops._step: C++ only (it calls the ops through the dispatcher), built with the CPU
+    kernels and skipped with them."""
+    from torch.utils import cpp_extension
+    monkeypatch.chdir(ROOT)
+    ext = setup_ns["_step_extension"](cpp_extension)
+    assert ext.name == "fp8ops._step"
+    assert [os.path.basename(s) for s in ext.sources] == ["linear_blockwise.cpp",
+                                                         "linear_per_tensor.cpp"]
+    monkeypatch.setenv("FP8OPS_SKIP_CPU_BUILD", "1")
+    assert setup_ns["_step_extension"](cpp_extension) is None
+
+
 def test_gemm_retargeting_leaves_a_cpp_only_build_file_alone(setup_ns, tmp_path):
     ninja = tmp_path / "build.ninja"
     text = "cflags = -O3\nbuild a.o: compile a.cpp\n"
@@ -80,8 +93,8 @@ def _fake_checkout(root):
     (root / "scripts").mkdir()
     (root / "scripts" / "setup_env.sh").write_text(
         open(os.path.join(ROOT, "scripts", "setup_env.sh")).read())
-    for name in ("setup.py", "pyproject.toml", "csrc/a.cu"):
-        (root / name).parent.mkdir(exist_ok=True)
+    for name in ("setup.py", "pyproject.toml", "csrc/a.cu", "csrc/step/b.cpp"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(name)
     (root / "fp8ops").mkdir()
     bin_dir = root / ".venv" / "bin"
@@ -119,3 +132,5 @@ def test_setup_env_builds_cuda_for_the_demo_only_with_a_gpu(tmp_path):
     assert setup(*demo) == [] and setup(*tests) == [] and setup(*demo, gpu=True) == []
     (tmp_path / "csrc" / "a.cu").write_text("changed")
     assert setup(*demo, gpu=True) == ["build SKIP_CUDA=0"]
+    (tmp_path / "csrc" / "step" / "b.cpp").write_text("changed")  # a source in a subfolder
+    assert setup(*tests) == ["build SKIP_CUDA=0"]

@@ -230,8 +230,11 @@ def test_threads_training_their_own_models_match_sequential_runs(recipe):
 
 
 def test_cuda_graph_capture_never_reuses_a_cast_from_the_host(monkeypatch):
-    """Under capture the cast is recorded into the graph (replays read the weight's memory)."""
+    """Under capture the cast is recorded into the graph (replays read the weight's memory).
+    Capture is simulated on the CPU through the Python path's check; the C++ step asks CUDA
+    itself, and tests/test_step_gpu.py captures it for real."""
     layer = fp8ops.FP8Linear(32, 16)
+    layer.cpp_step = False
     x = torch.randn(8, 32)
     layer(x).sum().backward()
     cached = layer.fp8_state.weight_cache.entry

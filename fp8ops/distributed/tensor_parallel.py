@@ -170,7 +170,7 @@ def _prepare_weight(module: FP8Linear, sharded_roles) -> None:
                            "after parallelize_module (convert_to_fp8 with another recipe?): its "
                            "shards would be cast with their own scales. Convert the model "
                            "before parallelizing it")
-    state.recording = module.training  # as FP8Linear.forward
+    state.set_recording(module.training)  # as FP8Linear.forward
     _end_stale_cast(module)
     _hook_weight(module)
 

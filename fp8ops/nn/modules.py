@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import step
 from .autograd import is_gathered
 from .fallback import Fallback, check_fallback, runs_fp8
 from .functional import linear
@@ -21,6 +22,10 @@ logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 document
 # every live FP8Linear, so that an optimizer given only parameters can find the layers that
 # read a weight (CPUOffloadOptimizer)
 _LAYERS: "weakref.WeakSet[FP8Linear]" = weakref.WeakSet()
+
+# the device types whose autocast state a call reads (torch.is_autocast_enabled raises for others,
+# such as meta)
+_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 # hook(layer, value), called whenever a DTensor is set as an FP8Linear's weight: FSDP2 and the
 # tensor-parallel styles set their parameters through setattr (FSDP2 swaps the sharded one and
@@ -59,6 +64,10 @@ class FP8Linear(nn.Linear):
     # where a call runs the high-precision GEMMs instead (fallback.py)
     fallback: Fallback = "auto"
 
+    # take the layer step in C++ where it applies (step.py); False: always the Python path
+    # (the two give the same bytes; tests and benchmarks compare them)
+    cpp_step = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
                  device=None, dtype=None, fp8_all_gather: bool = True,
                  fallback: Fallback = "auto"):
@@ -68,6 +77,12 @@ class FP8Linear(nn.Linear):
         self.recipe = check_recipe(recipe)
         self.fp8_state = self._new_state(self.recipe)
         _LAYERS.add(self)
+
+    def __getstate__(self):
+        # the plans (step.py) are decided again by a copy's first calls: they hold its state
+        state = dict(self.__dict__)
+        state.pop("_plans", None)
+        return state
 
     def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
         super().__setstate__(state)
@@ -110,17 +125,48 @@ class FP8Linear(nn.Linear):
             self.fp8_state.reset()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self._out_in_weight()
-        state = self.fp8_state
-        if not self._runs_fp8(input, weight):
+        # (read from the module's dicts where they hold them: each nn.Module.__getattr__ is a
+        # Python call, and this runs every step)
+        weight = None if self.weight_transposed else self._parameters.get("weight")
+        if weight is None:  # (a parametrization or weight_norm computes it)
+            weight = self._out_in_weight()
+        state = self._modules.get("fp8_state") or self.fp8_state
+        bias = self._parameters.get("bias")
+        plan = None
+        if (self.cpp_step and type(input) is torch.Tensor and type(weight) in step.PLAIN
+                and not torch.compiler.is_compiling()):
+            # which path calls of this kind take (step.py), decided once per kind
+            device = input.device
+            autocast = device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device.type)
+            key = (input.dtype, device, weight.dtype, weight.device, torch.is_grad_enabled(),
+                   torch.is_inference_mode_enabled(), self.training,
+                   autocast and torch.get_autocast_dtype(device.type),
+                   self.fallback == "never" or input.numel() // max(self.in_features, 1))
+            plans = self.__dict__.setdefault("_plans", {})
+            plan = plans.get(key)
+            if (plan is None or plan.recipe is not state.recipe or plan.state is not state
+                    or plan.fallback is not self.fallback):
+                if len(plans) >= step.MAX_PLANS:  # (token counts vary: keep a bounded few)
+                    plans.clear()
+                plan = plans[key] = step.plan_for(self, state, input, weight, key)
+            if (plan.path is step.CPP and input.shape[-1] == self.in_features
+                    and (state.monitor is None or not state.monitor[0].sampling)
+                    and not state.shard_meshes and state.weight_cache.host is None
+                    and getattr(weight, "main_grad", None) is None):
+                if state.recording is not self.training:
+                    state.set_recording(self.training)
+                return plan.run(plan, state, input, weight, bias,
+                                key[7] if autocast else input.dtype)
+        if (plan.path is step.HIGH and state.weight_cache.host is None if plan is not None
+                else not self._runs_fp8(input, weight)):
             state.count_high_precision_call()
-            dtype, bias = input.dtype, self.bias
+            dtype = input.dtype
             if bias is not None and bias.dtype != dtype:
                 bias = bias.to(dtype)
             return F.linear(input, weight if weight.dtype == dtype else weight.to(dtype), bias)
         # eval mode uses the scales as trained and records nothing (no amax, no step)
         state.set_recording(self.training)
-        return linear(input, weight, self.bias, state=state)
+        return linear(input, weight, bias, state=state)
 
     def _out_in_weight(self) -> torch.Tensor:
         """The weight in the [out, in] layout the GEMMs read."""

@@ -28,6 +28,11 @@ from ..ops.fused import record_amax, step_role
 from .recipes import DelayedScaling, current_scale
 
 
+# The buffers of a role, in the order fp8ops.ops.quantize_delayed takes them
+BUFFERS = ("amax_history", "scale", "scale_inv", "amax_rep", "pending_amax", "step",
+           "nonfinite_count")
+
+
 class RoleState(nn.Module):
     """Delayed-scaling buffers of one scaled tensor. All updates are in place, on device."""
 

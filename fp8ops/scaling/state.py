@@ -39,7 +39,13 @@ class ScalingState(nn.Module):
             self.input = RoleState(n, device)
             self.weight = RoleState(n, device)
             self.grad = RoleState(n, device)
-        # False: casts use the scales as they are and record nothing (FP8Linear in eval mode)
+        # the roles as a plain tuple (read every step without nn.Module.__getattr__), or None
+        self.delayed_roles = ((self.input, self.weight, self.grad)
+                              if isinstance(self.recipe, DelayedScaling) else None)
+        # False: casts use the scales as they are and record nothing (FP8Linear in eval mode);
+        # recording_word: the same as an int64 a backward in C++ reads (csrc/step)
+        self.recording_word = torch.ones(1, dtype=torch.int64, device="cpu")
+        self._recording_word = self.recording_word.numpy()
         self.recording = True
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         self.weight_cache = WeightCache()
@@ -170,6 +176,7 @@ class ScalingState(nn.Module):
     # cost more than the update (none of these names is ever one of them)
     def set_recording(self, on: bool) -> None:
         self.__dict__["recording"] = on
+        self._recording_word[0] = on
 
     def count_high_precision_call(self) -> None:
         self.__dict__["high_precision_calls"] += 1
@@ -228,11 +235,20 @@ class ScalingState(nn.Module):
         state = super().__getstate__()
         state["_stream"] = None
         state["_unreduced"] = set()  # (a copy outside the process group reduces nothing)
+        # the word and its numpy view must stay one memory: made again by __setstate__
+        state.pop("recording_word", None)
+        state.pop("_recording_word", None)
         return state
 
     def __setstate__(self, state):
         _upgrade_pickled(state)
         super().__setstate__(state)
+        self.recording_word = torch.ones(1, dtype=torch.int64, device="cpu")
+        self._recording_word = self.recording_word.numpy()
+        self.set_recording(self.recording)
+        if "delayed_roles" not in state:  # a pickle from before the tuple
+            self.delayed_roles = (tuple(self._modules[r] for r in self.ROLES)
+                                  if self.delayed else None)
         seed, offset = state.pop("rng_seed", None), state.pop("rng_offset", None)
         if seed is not None:  # older pickles kept the random stream in Python ints
             if "rng" not in self._buffers:

@@ -59,15 +59,6 @@ BACKWARD = 1  # a backward ran since the cast (values change only with the gener
 KEY = 2  # nothing more is needed (activation checkpointing's recompute of the same forward)
 
 
-def weight_key(w: torch.Tensor, source: Optional[torch.Tensor] = None):
-    """(where the weight lives, what identifies its values). source: the tensor the weight's
-    values are copied from (FSDP2's sharded parameter), whose version counts too."""
-    where = (w.data_ptr(), w.storage_offset())
-    src = None if source is None else (id(source), source._version)
-    values = (w._version, src, w.dtype, tuple(w.shape), w.stride(), w.device)
-    return where, values
-
-
 def leaf(w: torch.Tensor) -> torch.Tensor:
     """The parameter a weight view (e.g. a transposed Conv1D weight) accumulates its gradient in."""
     base = w._base
@@ -91,7 +82,7 @@ def mark_matches(mark, param: torch.Tensor) -> bool:
 
 
 class CachedCast(NamedTuple):
-    key: Optional[tuple]  # weight_key of the weight cast; None once restored
+    key: Optional[tuple]  # (where, values) of the weight cast (lookup); None once restored
     payload: Any  # what the cast returned; None once restored
     scale: Optional[torch.Tensor]  # the per-tensor scale it was cast with (None: block scales)
     stepped: bool  # the delayed-scaling weight role stepped and recorded amax for these values
@@ -116,25 +107,6 @@ class CachedCast(NamedTuple):
 # cast(weight, step, scale) -> (payload, scale used). step: step the delayed-scaling weight role
 # and record the weight's amax; scale: cast with this scale instead (no step).
 Cast = Callable[[torch.Tensor, bool, Optional[torch.Tensor]], tuple]
-
-
-def _same_window(entry: CachedCast, weight: torch.Tensor, values, generation: int,
-                 trust: int) -> bool:
-    """Whether this forward belongs to the accumulation window of entry's cast, by what the
-    cache sees of the weight and its gradient: the key, the generation and the gradient voucher
-    (or, with `trust`, less). Inside a window a delayed-scaling weight role does not step again.
-    This decides when the scale moves, never alone whether a payload may be reused."""
-    if entry.generation != generation:
-        return False
-    if entry.payload is None:  # restored: stands for the weight until the generation moves
-        return True
-    if entry.values != values:
-        return False
-    if trust == KEY:
-        return True
-    if trust == BACKWARD:
-        return entry.mark is not NO_MARK
-    return mark_matches(entry.mark, leaf(weight))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +203,9 @@ class WeightCache:
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self._watched = None  # weakref to the parameter the last cast watched
         self._grad_from_cast = False  # the next gradient accumulation vouches (expect_grad)
+        # the same, set by a backward in C++ (csrc/step): a host word, read through numpy
+        self.grad_word = torch.zeros(1, dtype=torch.int64, device="cpu")
+        self._grad_word = self.grad_word.numpy()
         self._vouched = None  # the generation vouch() vouched for
         self._miss = None  # what lookup() found for store(): (where, values, entry or None)
         self._kept = None  # (key, tensor): bytes a gather kept for its backward (keep)
@@ -263,30 +238,58 @@ class WeightCache:
         it. live: this forward steps delayed scaling (a live forward recasts, and steps, a cast
         that did not step, such as one made in eval mode). trust: what vouches for the values
         besides the key, the generation and the holder (module doc). source: the tensor the
-        weight's values are gathered from, whose version counts too."""
-        where, values = weight_key(weight, source)
+        weight's values are gathered from, whose version counts too.
+        (One Python call: the key, mark_matches, leaf, is_held and _follow are inlined, since
+        this runs every forward, also on the layer's C++ step.)"""
+        # the key: where the weight lives, what identifies its values (source: the tensor they
+        # are copied from, FSDP2's sharded parameter, whose version counts too)
+        where = (weight.data_ptr(), weight.storage_offset())
+        values = (weight._version, None if source is None else (id(source), source._version),
+                  weight.dtype, tuple(weight.shape), weight.stride(), weight.device)
         entry = self.entry
         generation = self.generation.value
         self._grad_from_cast = False  # (a backward whose gradient was never accumulated)
+        self._grad_word[0] = 0
         if self._vouched == generation:
             trust = KEY
         inference = torch.is_inference_mode_enabled()
-        window = (entry is not None and (entry.stepped or not live)
-                  and _same_window(entry, weight, values, generation, trust))
-        # self.is_held(leaf(weight)), inlined: this runs every forward
+        param = weight if weight._base is None else weight._base  # leaf(weight)
+        # whether this forward belongs to the accumulation window of entry's cast, by the key,
+        # the generation and the gradient voucher (or, with `trust`, less). Inside a window a
+        # delayed-scaling weight role does not step again. This decides when the scale moves,
+        # never alone whether a payload may be reused.
+        window = False
+        if entry is not None and (entry.stepped or not live) and entry.generation == generation:
+            if entry.payload is None:  # restored: stands for the weight until the generation moves
+                window = True
+            elif entry.values == values:
+                if trust == KEY:
+                    window = True
+                elif trust == BACKWARD:
+                    window = entry.mark is not NO_MARK
+                elif entry.mark is not NO_MARK:  # mark_matches(entry.mark, param)
+                    ref, version = entry.mark
+                    g = param.grad
+                    window = (g is None if ref is None else
+                              g is not None and ref() is g and g._version == version)
+        # self.is_held(param), inlined
         if trust == KEY:
             held = True
         else:
             target = (self.host.master if self.host is not None else
                       None if self.source is None else self.source())
             if target is None:
-                target = weight if weight._base is None else weight._base
+                target = param
             item = _WATCHERS.get(id(target))
             held = (item is not None and item.holder is not None and item.ref() is target
                     and item.holder() is not None)
         self._miss = (where, values, None)
         if (window and held and entry.payload is not None and entry.where == where
                 and (inference or not entry.inference)):
+            hooked, watched = self._hooked, self._watched
+            if (hooked is None or hooked[0]() is not param or watched is None
+                    or watched() is not (param if self.host is None else self.host.master)):
+                self._follow(param)
             return entry.payload, None
         # Cast again with the entry's scale: a restored cast's; the same values elsewhere
         # while an optimizer holds the weight (FSDP2's re-gathered copy, a cast made under
@@ -303,18 +306,36 @@ class WeightCache:
         """Keep the cast the last lookup() missed: payload, cast with `scale`; stepped: the
         delayed-scaling weight role stepped for it (a recast inside a window keeps the window's)."""
         where, values, window = self._miss
-        param = weakref.ref(leaf(weight))
+        param = weight if weight._base is None else weight._base  # leaf(weight)
+        ref = weakref.ref(param)
         inference = torch.is_inference_mode_enabled()
         generation = self.generation.value
+        # (tuple.__new__: CachedCast(...) without the Python call of its __new__)
         if window is None:
-            self.entry = CachedCast((where, values), payload, scale, stepped, generation,
-                                    inference, param)
+            self.entry = tuple.__new__(CachedCast, ((where, values), payload, scale, stepped,
+                                                    generation, inference, ref, NO_MARK, 0,
+                                                    False))
         else:  # a recast inside the window keeps its stepping and its voucher
             # (a restored entry is bound to the gradient as it is now: copied with the checkpoint)
-            mark = grad_mark(leaf(weight)) if window.payload is None else window.mark
-            self.entry = CachedCast((where, values), payload, scale, window.stepped, generation,
-                                    inference, param, mark)
+            mark = grad_mark(param) if window.payload is None else window.mark
+            self.entry = tuple.__new__(CachedCast, ((where, values), payload, scale,
+                                                    window.stepped, generation, inference, ref,
+                                                    mark, 0, False))
         self._miss = None
+        hooked, watched = self._hooked, self._watched
+        if (hooked is None or hooked[0]() is not param or watched is None
+                or watched() is not (param if self.host is None else self.host.master)):
+            self._follow(param)
+
+    def _follow(self, param: torch.Tensor) -> None:
+        """The steps of an optimizer over what a cast of param reads end it (watch), and param's
+        gradient may vouch for it (hook_gradient): set once per parameter."""
+        target = param if self.host is None else self.host.master
+        if self._watched is None or self._watched() is not target:
+            self.watch(target)
+            self._watched = weakref.ref(target)
+        if self._hooked is None or self._hooked[0]() is not param:
+            self.hook_gradient(param)
 
     def get(self, weight: torch.Tensor, cast: Cast, *, live: bool, trust: int = GRADIENT,
             source: Optional[torch.Tensor] = None):
@@ -324,13 +345,6 @@ class WeightCache:
             step = live and scale is None
             payload, scale = cast(weight, step, scale)
             self.store(weight, payload, scale, stepped=step)
-        param = leaf(weight)
-        target = param if self.host is None else self.host.master
-        if self._watched is None or self._watched() is not target:
-            self.watch(target)  # the steps of an optimizer over what this cast reads end it
-            self._watched = weakref.ref(target)
-        if self._hooked is None or self._hooked[0]() is not param:
-            self.hook_gradient(param)
         return payload
 
     def invalidate(self, keep_scale: bool = False) -> None:
@@ -375,19 +389,23 @@ class WeightCache:
 
     def expect_grad(self) -> None:
         """Called by an FP8 backward that computed the weight's gradient from the cached cast:
-        the accumulation that follows vouches for that cast (eager mode only)."""
+        the accumulation that follows vouches for that cast (eager mode only). A backward in
+        C++ sets grad_word[0] to 1 instead (a CPU int64 tensor it is given)."""
         self._grad_from_cast = True
 
     def grad_accumulated(self, param: torch.Tensor) -> None:
         """param's gradient was accumulated: from the FP8 backward of the cached cast, that
         gradient now vouches for the cast; from anywhere else (a call that fell back to the
         high-precision layer) it vouches for nothing."""
-        if not self._grad_from_cast:
+        if not (self._grad_from_cast or self._grad_word[0]):
             return
         self._grad_from_cast = False
+        self._grad_word[0] = 0
         entry = self.entry
         if entry is not None and entry.param is not None and entry.param() is param:
-            self.entry = entry._replace(mark=grad_mark(param))
+            g = param.grad  # grad_mark(param); the tuple built as _replace would, without its calls
+            mark = (None, -1) if g is None else (weakref.ref(g), g._version)
+            self.entry = tuple.__new__(CachedCast, (*entry[:7], mark, *entry[8:]))
 
     @property
     def trust(self) -> int:

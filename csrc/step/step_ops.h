@@ -1,0 +1,91 @@
+// What the layer steps in C++ share (csrc/step/*.cpp): the fp8ops ops they call, through the
+// dispatcher (a CUDA tensor reaches fp8ops._C's kernels, a CPU tensor the emulation), and the
+// pieces of their autograd.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace fp8ops_step {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Tensors = std::vector<at::Tensor>;
+using OptTensor = std::optional<at::Tensor>;
+using OptDtype = std::optional<at::ScalarType>;
+using Cast = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// what a forward op returns: y, then the weight cast it made (empty when given the cached one)
+using Outputs = std::tuple<at::Tensor, Tensors>;
+
+template <class Signature>
+inline c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// fp8ops::gemm: a @ b.T in float32 accumulation, scaled by both scale_invs
+inline at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
+                       const at::Tensor& b_scale_inv, const OptTensor& bias,
+                       at::ScalarType out_dtype, bool fast_accum) {
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const OptTensor&, at::ScalarType, bool)>(
+      "fp8ops::gemm");
+  return h.call(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, fast_accum);
+}
+
+// fp8ops::gemm_blockwise: a @ b.T with 1x128 / 128x128 block scales
+inline at::Tensor gemm_blockwise(const at::Tensor& a, const at::Tensor& b,
+                                 const at::Tensor& a_scale_inv, const at::Tensor& b_scale_inv,
+                                 const OptTensor& bias, at::ScalarType out_dtype) {
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const OptTensor&, at::ScalarType)>(
+      "fp8ops::gemm_blockwise");
+  return h.call(a, b, a_scale_inv, b_scale_inv, bias, out_dtype);
+}
+
+// Autocast must not retype the ops' own calls (the emulation's float32 arithmetic is its
+// definition; the Python path runs them with autocast off too)
+inline c10::DispatchKeySet autocast_keys() {
+  return c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
+}
+
+inline void check_word(const at::Tensor& word, const char* name) {
+  TORCH_CHECK(word.device().is_cpu() && word.scalar_type() == at::kLong && word.numel() == 1 &&
+                  word.is_contiguous(),
+              "fp8ops_step: ", name, " must be one int64 on the CPU");
+}
+
+// The gradient about to be accumulated comes from the layer's weight cast: its weight cache may
+// take it as that cast's voucher (a host word the cache's gradient hook reads)
+inline void vouch(const at::Tensor& grad_word) { grad_word.data_ptr<int64_t>()[0] = 1; }
+
+// The sums over the rows of x [rows, cols] in float32, rounded to dtype (a bias gradient; as
+// fp8ops/ops/fused.py's column_sums)
+inline at::Tensor column_sums(const at::Tensor& x, at::ScalarType dtype) {
+  return at::sum(x, {0}, false, at::kFloat).to(dtype);
+}
+
+// A backward's gradients {dx, dw, db}, resized to one per forward argument. Under create_graph
+// differentiating them again raises (as fp8ops/nn/autograd.py's first_order_only): the FP8
+// backward has no second-order term.
+inline variable_list first_order_only(variable_list out, bool create_graph, size_t n_args) {
+  if (create_graph) {
+    for (auto& t : out)
+      if (t.defined()) t = t.detach().requires_grad_(true);
+    out = std::make_shared<torch::autograd::DelayedError>(
+              "fp8ops.linear / FP8Linear does not support double backward (create_graph=True "
+              "through an FP8 layer, e.g. a gradient penalty): its FP8 backward has no "
+              "second-order term. Keep that layer in high precision (convert_to_fp8's "
+              "filter_fn) or use torch.nn.functional.linear there",
+              static_cast<int64_t>(out.size()))
+              ->apply(std::move(out));
+  }
+  out.resize(n_args);
+  return out;
+}
+
+}  // namespace fp8ops_step

@@ -1,0 +1,280 @@
+"""The layer step as two C++ calls (fp8ops/nn/step.py, csrc/step/): which calls take it, and the
+same bytes as the Python path (FP8Linear.cpp_step = False) in every case it serves: outputs,
+gradients, parameters after optimizer steps, and the FP8 state."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fp8ops
+from fp8ops.nn import step
+
+pytestmark = pytest.mark.skipif(not step.available(), reason="fp8ops._step is not built")
+
+
+def _pair(recipe=None, bias=True, dtype=torch.float32, k=96, n=80, **kw):
+    torch.manual_seed(0)
+    fast = fp8ops.FP8Linear(k, n, bias=bias, recipe=recipe or fp8ops.CurrentScaling(),
+                            fallback="never", **kw).to(dtype)
+    ref = copy.deepcopy(fast)
+    ref.cpp_step = False
+    return fast, ref
+
+
+def _took_step(layer) -> bool:
+    plans = layer.__dict__.get("_plans", {})
+    return any(p.path is step.CPP for p in plans.values())
+
+
+def _train(layer, xs, dy_scale=1.0, steps=3, micro=2, autocast=None):
+    """Steps of SGD over micro-batches; everything each produces, in order."""
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    out = []
+    for s in range(steps):
+        for m in range(micro):
+            x = xs[(s * micro + m) % len(xs)].clone().requires_grad_(True)
+            if autocast is None:
+                y = layer(x)
+            else:
+                with torch.autocast("cpu", dtype=autocast):
+                    y = layer(x)
+            torch.manual_seed(100 + s * micro + m)
+            dy = torch.randn(y.shape, dtype=y.dtype) * dy_scale
+            y.backward(dy)
+            out += [y.detach(), x.grad]
+        out += [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert p.dtype == q.dtype and p.shape == q.shape, i
+        assert torch.equal(p, q), f"item {i} differs: max {(p.float() - q.float()).abs().max()}"
+
+
+RECIPES = {
+    "current": fp8ops.CurrentScaling,
+    "delayed": fp8ops.DelayedScaling,
+    "delayed_most_recent": lambda: fp8ops.DelayedScaling(amax_compute_algo="most_recent",
+                                                         interval=2, amax_history_len=4),
+    "blockwise": fp8ops.BlockwiseScaling,
+    "blockwise_e5m2_pow2": lambda: fp8ops.BlockwiseScaling(bwd_fmt="e5m2", power_of_two=True),
+}
+
+
+def _same_state(fast, ref):
+    """Parameters and FP8 state (the delayed roles' buffers, the cast scale to reuse) alike."""
+    _same([p.detach() for p in fast.parameters()], [p.detach() for p in ref.parameters()])
+    a, b = fast.fp8_state.state_dict(), ref.fp8_state.state_dict()
+    assert a.keys() == b.keys()
+    _same(list(a.values()), list(b.values()))
+    assert fast.fp8_state.warm == ref.fp8_state.warm
+    if fast.fp8_state.delayed:
+        assert ([r.started for r in fast.fp8_state.delayed_roles]
+                == [r.started for r in ref.fp8_state.delayed_roles])
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_training_steps_equal_the_python_path(recipe, dtype, bias):
+    fast, ref = _pair(RECIPES[recipe](), bias=bias, dtype=dtype)
+    torch.manual_seed(1)
+    # (ranges that move the scales, and a first window of micro-batches before any optimizer
+    # step: the weight is cast again in it, with the window's scale under delayed scaling)
+    xs = [torch.randn(3, 40, 96, dtype=dtype) * s for s in (1, 8, 0.1)]
+    _same(_train(fast, xs, steps=4), _train(ref, xs, steps=4))
+    assert _took_step(fast) and not _took_step(ref)
+    _same_state(fast, ref)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_eval_and_mode_changes_equal_the_python_path(recipe):
+    """Eval forwards record nothing; a backward after model.eval() steps no role (the mode at
+    backward time counts, as on the Python path); a no_grad training forward under delayed
+    scaling takes the Python path."""
+    fast, ref = _pair(RECIPES[recipe]())
+    x = torch.randn(16, 96)
+    outs = []
+    for layer in (fast, ref):
+        out = _train(layer, [x], steps=1, micro=1)
+        layer.eval()
+        with torch.no_grad():
+            out.append(layer(x * 3))
+        out.append(layer(x * 2))  # eval with grad: a backward follows
+        out[-1].sum().backward()
+        layer.train()
+        y = layer(x)
+        layer.eval()  # between the forward and its backward
+        y.sum().backward()
+        layer.train()
+        with torch.no_grad():
+            out.append(layer(x * 5))
+        out += _train(layer, [x], steps=2, micro=1)
+        outs.append(out)
+    _same(*outs)
+    _same_state(fast, ref)
+    assert _took_step(fast)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_activation_checkpointing_equals_the_python_path(recipe, reentrant):
+    """Two layers in one checkpointed region: a non-reentrant checkpoint compares every tensor
+    the recompute saves with the forward's (their paths must agree); reentrant checkpointing
+    runs the forward under no_grad."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    fast = fp8ops.convert_to_fp8(torch.nn.Sequential(
+        torch.nn.Linear(96, 64), torch.nn.GELU(), torch.nn.Linear(64, 48)), RECIPES[recipe](),
+        fallback="never")
+    ref = copy.deepcopy(fast)
+    for m in (ref[0], ref[2]):
+        m.cpp_step = False
+    outs = []
+    for model in (fast, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        out = []
+        for step in range(3):
+            x = (torch.randn(24, 96, generator=torch.Generator().manual_seed(step)) * (step + 1)
+                 ).requires_grad_(True)
+            y = checkpoint(model, x, use_reentrant=reentrant)
+            y.pow(2).sum().backward()
+            out += [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+        outs.append(out)
+    _same(*outs)
+    for a, b in ((fast[0], ref[0]), (fast[2], ref[2])):
+        _same_state(a, b)
+    assert _took_step(fast[0]) and _took_step(fast[2])
+
+
+@pytest.mark.parametrize("recipe", [
+    fp8ops.CurrentScaling(margin=2.0, grad_margin=4.0),
+    fp8ops.CurrentScaling(power_of_two=True),
+    fp8ops.CurrentScaling(fwd_fmt="e5m2", bwd_fmt="e4m3"),
+], ids=["margins", "power_of_two", "formats"])
+def test_recipe_options_equal_the_python_path(recipe):
+    fast, ref = _pair(recipe)
+    xs = [torch.randn(64, 96) * 30 for _ in range(2)]
+    _same(_train(fast, xs, dy_scale=1e-3), _train(ref, xs, dy_scale=1e-3))
+    assert _took_step(fast)
+
+
+def test_autocast_equals_the_python_path():
+    fast, ref = _pair()
+    xs = [torch.randn(32, 96) for _ in range(2)]
+    a, b = _train(fast, xs, autocast=torch.bfloat16), _train(ref, xs, autocast=torch.bfloat16)
+    _same(a, b)
+    assert a[0].dtype == torch.bfloat16 and a[1].dtype == torch.float32  # y, then x.grad
+    assert _took_step(fast)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_inputs_and_parameters_without_grad(recipe):
+    """Only the gradients autograd asks for: a frozen weight, a frozen bias, an input without
+    grad; and no_grad / inference-mode forwards."""
+    for frozen in ("weight", "bias", "input"):
+        fast, ref = _pair(RECIPES[recipe]())
+        outs = []
+        x0 = torch.randn(16, 96)
+        for layer in (fast, ref):
+            if frozen != "input":
+                getattr(layer, frozen).requires_grad_(False)
+            x = x0.clone().requires_grad_(frozen != "input")
+            y = layer(x)
+            y.backward(torch.ones_like(y))
+            outs.append([y.detach()] + [t.grad for t in (x, layer.weight, layer.bias)
+                                        if t.grad is not None])
+        _same(*outs)
+        assert len(outs[0]) == 3 and _took_step(fast), frozen
+    fast, ref = _pair(RECIPES[recipe]())
+    x = torch.randn(16, 96)
+    with torch.no_grad():
+        _same([fast(x)], [ref(x)])
+    with torch.inference_mode():
+        _same([fast(x)], [ref(x)])
+    # (delayed scaling leaves forwards without grad to the Python path: step.py says why)
+    assert _took_step(fast) == (recipe != "delayed")
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_no_tokens_and_many_dims(recipe):
+    fast, ref = _pair(RECIPES[recipe]())
+    for shape in [(0, 96), (2, 0, 96), (2, 3, 4, 96)]:
+        x = torch.randn(shape, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_(True)
+        y, y2 = fast(x), ref(x2)
+        assert y.shape == y2.shape == (*shape[:-1], 80)
+        y.sum().backward()
+        y2.sum().backward()
+        _same([y.detach(), x.grad], [y2.detach(), x2.grad])
+
+
+def test_bad_input_takes_the_python_path_and_its_error():
+    layer, _ = _pair()
+    with pytest.raises(ValueError, match="in_features=96"):
+        layer(torch.randn(4, 95))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        layer(torch.ones(4, 96, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_double_backward_raises(recipe):
+    layer, _ = _pair(RECIPES[recipe]())
+    x = torch.randn(8, 96, requires_grad=True)
+    (gx,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    assert _took_step(layer)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        gx.sum().backward()
+
+
+def test_which_calls_take_it():
+    """The Python path keeps what the C++ step does not serve; each still trains."""
+    x = torch.randn(8, 96)
+    for recipe in (fp8ops.DelayedScaling(grad_rounding="stochastic"),
+                   fp8ops.CurrentScaling(grad_rounding="stochastic"),
+                   fp8ops.CurrentScaling(amax_percentile=99.9), fp8ops.MXFP8Scaling()):
+        layer = fp8ops.FP8Linear(96, 128, recipe=recipe, fallback="never")
+        layer(x).sum().backward()
+        assert not _took_step(layer), recipe
+    layer = fp8ops.FP8Linear(96, 80, fallback=fp8ops.Crossover(min_tokens=16))
+    layer(x).sum().backward()  # 8 tokens: nn.Linear's GEMMs
+    assert not _took_step(layer) and layer.fp8_state.high_precision_calls == 1
+    layer(torch.randn(16, 96)).sum().backward()
+    assert _took_step(layer) and layer.fp8_state.high_precision_calls == 1
+    layer = fp8ops.FP8Linear(96, 80, fallback="never")
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+    layer(x).sum().backward()
+    assert layer.weight.grad is None and layer.weight.main_grad.abs().sum() > 0
+
+
+def test_a_sampled_monitor_step_takes_the_python_path():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 80))
+    fp8ops.convert_to_fp8(model, fp8ops.CurrentScaling(), fallback="never")
+    ref = copy.deepcopy(model)
+    ref[0].cpp_step = False
+    fp8ops.monitor(model, every=2)
+    xs = [torch.randn(16, 96) for _ in range(2)]
+    _same(_train(model, xs, steps=2, micro=1), _train(ref, xs, steps=2, micro=1))
+    assert _took_step(model[0])  # the unsampled step
+    stats = fp8ops.stats(model)  # the sampled step's, from the Python path
+    assert stats["0.input.amax"] == xs[0].abs().max().item()
+    assert stats["0.weight.scale"] > 0 and "0.grad.amax" in stats
+
+
+def test_copies_decide_again():
+    fast, _ = _pair()
+    fast(torch.randn(4, 96))
+    assert _took_step(fast)
+    clone = copy.deepcopy(fast)
+    assert "_plans" not in clone.__dict__
+    clone(torch.randn(4, 96)).sum().backward()
+    assert _took_step(clone)
