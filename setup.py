@@ -195,8 +195,8 @@ def _extensions():
         print("fp8ops: torch not importable at build time (use --no-build-isolation); "
               "building the pure-Python package only")
         return [], {}
-    exts = [e for e in (_cpu_extension(cpp_extension), _step_extension(cpp_extension),
-                        _cuda_extension(torch, cpp_extension)) if e]
+    exts = [e for e in (_cpu_extension(cpp_extension), _cuda_extension(torch, cpp_extension),
+                        _step_extension(cpp_extension)) if e]
     return exts, ({"build_ext": _gemm_arch_build_ext(cpp_extension)} if exts else {})
 
 
