@@ -4,6 +4,10 @@ gradients, parameters after optimizer steps, and the FP8 state."""
 from __future__ import annotations
 
 import copy
+import glob
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import fp8ops
 from fp8ops.nn import step
 
 pytestmark = pytest.mark.skipif(not step.available(), reason="fp8ops._step is not built")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _pair(recipe=None, bias=True, dtype=torch.float32, k=96, n=80, **kw):
@@ -278,3 +283,26 @@ def test_copies_decide_again():
     assert "_plans" not in clone.__dict__
     clone(torch.randn(4, 96)).sum().backward()
     assert _took_step(clone)
+
+
+@pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "fp8ops", "_C*.so")),
+                    reason="fp8ops/_C*.so not built")
+def test_the_step_calls_each_op_as_its_cuda_kernel_is_registered():
+    """The dispatcher checks a call's C++ signature against that of the op's registered C++
+    kernel (fp8ops._C's CUDA kernels), not against the schema alone: with _C's registrations
+    loaded (no GPU needed), every C++ step's calls must pass that check."""
+    code = (
+        "import glob, torch\n"
+        "torch.ops.load_library(glob.glob('fp8ops/_C*.so')[0])\n"
+        "import fp8ops\n"
+        "for r in (fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.BlockwiseScaling()):\n"
+        "    layer = fp8ops.FP8Linear(128, 128, recipe=r, fallback='never')\n"
+        "    opt = torch.optim.SGD(layer.parameters(), lr=0.1)\n"
+        "    for _ in range(2):\n"
+        "        layer(torch.randn(8, 128, requires_grad=True)).sum().backward()\n"
+        "        opt.step()\n"
+        "    assert any(p.path == 'cpp' for p in layer._plans.values()), r\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr

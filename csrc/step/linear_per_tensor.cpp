@@ -55,13 +55,16 @@ Cast cast(const at::Tensor& x, const Scaling& s, const Tensors& role, at::Scalar
                         /*stochastic=*/false, 0, 0, std::nullopt);
   }
   static auto delayed =
-      op<Cast(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-              at::Tensor&, at::Tensor&, at::ScalarType, double, int64_t, c10::string_view, double,
-              double, bool, bool, bool, bool, bool, OptDtype, bool, int64_t, int64_t,
-              const OptTensor&)>("fp8ops::quantize_delayed");
+      // (the buffers the op updates in place come as const Tensor&, as fp8ops._C registers
+      // its kernel: the dispatcher checks a call's C++ signature against the kernel's)
+      op<Cast(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              at::ScalarType, double, int64_t, c10::string_view, double, double, bool, bool, bool,
+              bool, bool, OptDtype, bool, int64_t, int64_t, const OptTensor&)>(
+          "fp8ops::quantize_delayed");
   TORCH_CHECK(role.size() == 7, "fp8ops_step: a delayed-scaling role has seven buffers, got ",
               role.size());
-  Tensors b = role;  // (handles to the same buffers: the op updates them in place)
+  const Tensors& b = role;  // (the op updates these buffers in place)
   return delayed.call(x, b[0], b[1], b[2], b[3], b[4], b[5], b[6], dtype, margin, s.interval,
                       s.algo, s.ema_alpha, s.percentile, s.power_of_two, update, warm, record,
                       /*transpose=*/true, sum_dtype, /*stochastic=*/false, 0, 0, std::nullopt);
