@@ -57,8 +57,8 @@ def test_step_extension_sources_and_switch(setup_ns, monkeypatch):
     monkeypatch.chdir(ROOT)
     ext = setup_ns["_step_extension"](cpp_extension)
     assert ext.name == "fp8ops._step"
-    assert [os.path.basename(s) for s in ext.sources] == ["linear_blockwise.cpp",
-                                                         "linear_per_tensor.cpp"]
+    assert [os.path.basename(s) for s in ext.sources] == [
+        "linear_blockwise.cpp", "linear_mx.cpp", "linear_per_tensor.cpp"]
     monkeypatch.setenv("FP8OPS_SKIP_CPU_BUILD", "1")
     assert setup_ns["_step_extension"](cpp_extension) is None
 

@@ -69,6 +69,9 @@ RECIPES = {
                                                          interval=2, amax_history_len=4),
     "blockwise": fp8ops.BlockwiseScaling,
     "blockwise_e5m2_pow2": lambda: fp8ops.BlockwiseScaling(bwd_fmt="e5m2", power_of_two=True),
+    "mxfp8": fp8ops.MXFP8Scaling,
+    "mxfp8_rceil_16": lambda: fp8ops.MXFP8Scaling(block_size=16, scale_mode="rceil",
+                                                  bwd_fmt="e5m2"),
 }
 
 
@@ -98,7 +101,7 @@ def test_training_steps_equal_the_python_path(recipe, dtype, bias):
     _same_state(fast, ref)
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
 def test_eval_and_mode_changes_equal_the_python_path(recipe):
     """Eval forwards record nothing; a backward after model.eval() steps no role (the mode at
     backward time counts, as on the Python path); a no_grad training forward under delayed
@@ -128,7 +131,7 @@ def test_eval_and_mode_changes_equal_the_python_path(recipe):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
 def test_activation_checkpointing_equals_the_python_path(recipe, reentrant):
     """Two layers in one checkpointed region: a non-reentrant checkpoint compares every tensor
     the recompute saves with the forward's (their paths must agree); reentrant checkpointing
@@ -181,7 +184,7 @@ def test_autocast_equals_the_python_path():
     assert _took_step(fast)
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
 def test_inputs_and_parameters_without_grad(recipe):
     """Only the gradients autograd asks for: a frozen weight, a frozen bias, an input without
     grad; and no_grad / inference-mode forwards."""
@@ -209,7 +212,7 @@ def test_inputs_and_parameters_without_grad(recipe):
     assert _took_step(fast) == (recipe != "delayed")
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
 def test_no_tokens_and_many_dims(recipe):
     fast, ref = _pair(RECIPES[recipe]())
     for shape in [(0, 96), (2, 0, 96), (2, 3, 4, 96)]:
@@ -230,7 +233,7 @@ def test_bad_input_takes_the_python_path_and_its_error():
         layer(torch.ones(4, 96, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
 def test_double_backward_raises(recipe):
     layer, _ = _pair(RECIPES[recipe]())
     x = torch.randn(8, 96, requires_grad=True)
@@ -245,7 +248,7 @@ def test_which_calls_take_it():
     x = torch.randn(8, 96)
     for recipe in (fp8ops.DelayedScaling(grad_rounding="stochastic"),
                    fp8ops.CurrentScaling(grad_rounding="stochastic"),
-                   fp8ops.CurrentScaling(amax_percentile=99.9), fp8ops.MXFP8Scaling()):
+                   fp8ops.CurrentScaling(amax_percentile=99.9)):
         layer = fp8ops.FP8Linear(96, 128, recipe=recipe, fallback="never")
         layer(x).sum().backward()
         assert not _took_step(layer), recipe
@@ -295,7 +298,8 @@ def test_the_step_calls_each_op_as_its_cuda_kernel_is_registered():
         "import glob, torch\n"
         "torch.ops.load_library(glob.glob('fp8ops/_C*.so')[0])\n"
         "import fp8ops\n"
-        "for r in (fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.BlockwiseScaling()):\n"
+        "for r in (fp8ops.CurrentScaling(), fp8ops.DelayedScaling(), fp8ops.BlockwiseScaling(),\n"
+        "          fp8ops.MXFP8Scaling()):\n"
         "    layer = fp8ops.FP8Linear(128, 128, recipe=r, fallback='never')\n"
         "    opt = torch.optim.SGD(layer.parameters(), lr=0.1)\n"
         "    for _ in range(2):\n"

@@ -25,6 +25,7 @@ RECIPES = {
     "current": fp8ops.CurrentScaling,
     "delayed": lambda: fp8ops.DelayedScaling(amax_history_len=4),
     "blockwise": fp8ops.BlockwiseScaling,
+    "mxfp8": fp8ops.MXFP8Scaling,
 }
 
 

@@ -1,7 +1,7 @@
 """The layer step as two C++ calls: where an FP8Linear call may take it, decided once.
 
 csrc/step/ (fp8ops._step) defines the forward ops `fp8ops_step.linear_current`,
-`linear_delayed` and `linear_blockwise`: one dispatcher call each for the forward (the weight
+`linear_delayed`, `linear_blockwise` and `linear_mx`: one dispatcher call each for the forward (the weight
 cast when the cache has none to reuse, the input cast, the forward GEMM), whose autograd node,
 in C++, is the backward (the output gradient's cast with the bias gradient in the same op,
 dgrad and wgrad). They call the ops the Python path's Functions (autograd.py) call, in the same
@@ -11,10 +11,10 @@ call (lookup) and keeps a new one (store); the C++ backward vouches for it throu
 grad_word, and reads whether a delayed-scaling layer records through its state's
 recording_word.
 
-Which calls take it: current and delayed per-tensor scaling with round-to-nearest casts, and
-blockwise scaling, on a plain local weight, in eager mode, activation-checkpoint recomputes and
+Which calls take it: current and delayed per-tensor scaling with round-to-nearest casts,
+blockwise and MXFP8 scaling, on a plain local weight, in eager mode, activation-checkpoint recomputes and
 CUDA-graph capture included (there every call casts the weight, as on the Python path). The
-Python path keeps stochastic rounding, a percentile amax, MXFP8, tensor-parallel shards, FSDP2's
+Python path keeps stochastic rounding, a percentile amax, tensor-parallel shards, FSDP2's
 gathered weights, a host-offloaded weight, a weight with a main_grad, a sampled monitor step,
 torch.compile, and under delayed scaling torch.distributed and forwards without grad. A call
 the layer's fallback sends to nn.Linear's GEMMs goes there directly. The decision depends on
@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, grad_margin,
-                       recipe_formats)
+from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
+                       grad_margin, recipe_formats)
 from ..scaling.role import BUFFERS
 from ..scaling.weight_cache import GRADIENT, KEY
 from .fallback import crossover
@@ -101,10 +101,11 @@ def plan_for(layer, state, input: torch.Tensor, weight: torch.Tensor, key) -> Pl
     bias = layer._parameters.get("bias")
     current = type(recipe) is CurrentScaling and recipe.amax_percentile is None
     blockwise = type(recipe) is BlockwiseScaling
+    mx = type(recipe) is MXFP8Scaling
     # delayed scaling: grad mode on (a live forward under no_grad, as reentrant checkpointing
     # runs one, leaves the grad role to its backward: the Python path's business)
     delayed = type(recipe) is DelayedScaling and key[4]
-    cpp = (available() and (blockwise or ((current or delayed)
+    cpp = (available() and (blockwise or mx or ((current or delayed)
                                           and recipe.grad_rounding == "nearest"))
            and not layer.weight_transposed
            and input.dtype in _FLOATS and weight.dtype in _FLOATS
@@ -119,6 +120,10 @@ def plan_for(layer, state, input: torch.Tensor, weight: torch.Tensor, key) -> Pl
     if blockwise:
         return Plan(recipe, state, layer.fallback, CPP,
                     (fwd.dtype, bwd.dtype, recipe.power_of_two), run_blockwise)
+    if mx:
+        return Plan(recipe, state, layer.fallback, CPP,
+                    (fwd.dtype, bwd.dtype, recipe.block_size, recipe.scale_mode == "rceil"),
+                    run_mx)
     args = (fwd.dtype, bwd.dtype, recipe.margin, grad_margin(recipe), recipe.power_of_two)
     if delayed:
         args += (recipe.interval, recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile)
@@ -242,3 +247,31 @@ def run_blockwise(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
     if input.dim() == 2:
         return y
     return torch.ops.aten._unsafe_view(y, (*input.shape[:-1], weight.shape[0]))
+
+
+def run_mx(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """run_current() under MXFP8Scaling: the weight cast ((row data, row scales), (column data^T,
+    column scales^T)), reused or made by the op, as linear_mx (autograd.py) does. The op's y is a
+    slice of the GEMM's padded result: returned as a tensor of its own, as fp8ops.linear does."""
+    cache = state.weight_cache
+    payload = None
+    capturing = False
+    if input.is_cuda:
+        state.follow_stream(input.device)
+        capturing = torch._C._cuda_isCurrentStreamCapturing()
+    if not capturing:
+        recompute = torch._C._current_graph_task_id() != -1
+        payload, _ = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT)
+    x2 = input.reshape(-1, weight.shape[1])
+    if payload is None:
+        y, cast = torch.ops.fp8ops_step.linear_mx(x2, weight, bias, (), cache.grad_word,
+                                                  *plan.args, out_dtype)
+        if not capturing:
+            cache.store(weight, ((cast[0], cast[1]), (cast[2], cast[3])), None, stepped=False)
+    else:
+        (row, row_scales), (col_t, col_t_scales) = payload
+        y, _ = torch.ops.fp8ops_step.linear_mx(x2, weight, bias, (row, row_scales, col_t,
+                                                                   col_t_scales),
+                                               cache.grad_word, *plan.args, out_dtype)
+    return torch.ops.aten._unsafe_view(y.contiguous(), (*input.shape[:-1], weight.shape[0]))
