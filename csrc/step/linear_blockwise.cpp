@@ -3,8 +3,8 @@
 // linear_per_tensor.cpp does for the per-tensor recipes: the calls of
 // fp8ops/nn/autograd.py's BlockwiseLinear, in the same order with the same arguments.
 //
-// linear_blockwise: the weight cast {data, scale_inv, data^T} when the layer's cache has none to
-// reuse (returned for the cache), the input's two block copies in one call (1x128 along K for
+// linear_blockwise: the weight cast {data, scale_inv, data^T} (`cached`, or made when the layer's
+// cache has none to reuse, and returned for the cache), the input's two block copies in one call (1x128 along K for
 // this GEMM, along M for wgrad), the forward GEMM. Its backward casts the output gradient (both
 // copies and the bias gradient in one call when dgrad and wgrad are both wanted) and runs them.
 #include <torch/library.h>
@@ -47,16 +47,11 @@ struct Config {
 
 // The forward without autograd: {y, x^T's data and scale_inv, the weight cast}
 std::tuple<at::Tensor, at::Tensor, at::Tensor, Tensors> forward(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& w_data,
-    const OptTensor& w_scale_inv, const OptTensor& w_data_t, const Config& c,
-    at::ScalarType out_dtype) {
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const Tensors& cached,
+    const Config& c, at::ScalarType out_dtype) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_keys());
-  Tensors w;  // {data, scale_inv, data^T}: the cache's payload
-  if (w_data.has_value()) {
-    TORCH_CHECK(w_scale_inv.has_value() && w_data_t.has_value(),
-                "fp8ops_step: a cached weight cast needs w_data, w_scale_inv and w_data_t");
-    w = {*w_data, *w_scale_inv, *w_data_t};
-  } else {
+  Tensors w = cached;  // {data, scale_inv, data^T}: the cache's payload
+  if (w.empty()) {
     auto [data, scale_inv] = quantize(weight, c.fwd, 128, 128, c.power_of_two);
     w = {data, scale_inv, transpose_fp8(data)};
   }
@@ -68,30 +63,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, Tensors> forward(
 
 struct LinearBlockwise : public torch::autograd::Function<LinearBlockwise> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                               const OptTensor& bias, const OptTensor& w_data,
-                               const OptTensor& w_scale_inv, const OptTensor& w_data_t,
-                               const Config& c, at::ScalarType out_dtype) {
+                               const OptTensor& bias, const Tensors& cached, const Config& c,
+                               at::ScalarType out_dtype) {
     ctx->set_materialize_grads(false);  // no zeros for the weight cast's outputs (no gradient)
-    auto [y, xt_data, xt_scale_inv, w] =
-        fp8ops_step::forward(x, weight, bias, w_data, w_scale_inv, w_data_t, c, out_dtype);
+    auto [y, xt_data, xt_scale_inv, w] = fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
     ctx->save_for_backward({xt_data, xt_scale_inv, w[2], w[1].t()});
     auto& d = ctx->saved_data;
-    d["grad_word"] = c.grad_word;
+    save_common(ctx, x, weight, bias, c.grad_word);
     d["bwd"] = static_cast<int64_t>(c.bwd);
     d["power_of_two"] = c.power_of_two;
-    d["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    d["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    d["b_dtype"] = bias.has_value() ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
-    variable_list out = {y};
-    if (!w_data.has_value()) {
-      out.insert(out.end(), w.begin(), w.end());
-      ctx->mark_non_differentiable(w);
-    }
-    return out;
+    return with_cast(ctx, y, w, cached.empty());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr size_t kArgs = 8;  // one gradient (or none) per forward argument
+    constexpr size_t kArgs = 6;  // one gradient (or none) per forward argument
     if (!grads[0].defined()) return variable_list(kArgs);
     const bool create_graph = at::GradMode::is_enabled();
     at::NoGradGuard no_grad;
@@ -135,22 +120,19 @@ struct LinearBlockwise : public torch::autograd::Function<LinearBlockwise> {
 
 template <bool kAutograd>
 Outputs linear_blockwise(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                         const OptTensor& w_data, const OptTensor& w_scale_inv,
-                         const OptTensor& w_data_t, const at::Tensor& grad_word,
+                         at::TensorList cached, const at::Tensor& grad_word,
                          at::ScalarType fwd_dtype, at::ScalarType bwd_dtype, bool power_of_two,
                          at::ScalarType out_dtype) {
   check_word(grad_word, "grad_word");
+  TORCH_CHECK(cached.empty() || cached.size() == 3,
+              "fp8ops_step: a cached blockwise weight cast has three tensors, got ", cached.size());
   Config c{fwd_dtype, bwd_dtype, power_of_two, grad_word};
   if (!kAutograd) {  // below autograd (inference mode): the forward alone
-    auto [y, xt_data, xt_scale_inv, w] =
-        forward(x, weight, bias, w_data, w_scale_inv, w_data_t, c, out_dtype);
-    if (w_data.has_value()) w.clear();
+    auto [y, xt_data, xt_scale_inv, w] = forward(x, weight, bias, cached.vec(), c, out_dtype);
+    if (!cached.empty()) w.clear();
     return {y, w};
   }
-  auto out = LinearBlockwise::apply(x, weight, bias, w_data, w_scale_inv, w_data_t, c, out_dtype);
-  at::Tensor y = out[0];
-  out.erase(out.begin());
-  return {y, out};
+  return split_outputs(LinearBlockwise::apply(x, weight, bias, cached.vec(), c, out_dtype));
 }
 
 }  // namespace
@@ -158,9 +140,9 @@ Outputs linear_blockwise(const at::Tensor& x, const at::Tensor& weight, const Op
 
 TORCH_LIBRARY_FRAGMENT(fp8ops_step, m) {
   m.def(
-      "linear_blockwise(Tensor x, Tensor weight, Tensor? bias, Tensor? w_data, "
-      "Tensor? w_scale_inv, Tensor? w_data_t, Tensor grad_word, ScalarType fwd_dtype, "
-      "ScalarType bwd_dtype, bool power_of_two, ScalarType out_dtype) -> (Tensor, Tensor[])");
+      "linear_blockwise(Tensor x, Tensor weight, Tensor? bias, Tensor[] cached, "
+      "Tensor grad_word, ScalarType fwd_dtype, ScalarType bwd_dtype, bool power_of_two, "
+      "ScalarType out_dtype) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(fp8ops_step, Autograd, m) {

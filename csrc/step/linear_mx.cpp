@@ -92,22 +92,14 @@ struct LinearMX : public torch::autograd::Function<LinearMX> {
     auto [y, xc_t, xc_t_scales, w] = fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
     ctx->save_for_backward({xc_t, xc_t_scales, w[2], w[3]});
     auto& d = ctx->saved_data;
-    d["grad_word"] = c.grad_word;
+    save_common(ctx, x, weight, bias, c.grad_word);
     d["bwd"] = static_cast<int64_t>(c.bwd);
     d["block"] = c.block;
     d["rceil"] = c.rceil;
     d["m"] = x.size(0);
     d["k"] = x.size(1);
     d["n"] = weight.size(0);
-    d["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    d["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    d["b_dtype"] = bias.has_value() ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
-    variable_list out = {y};
-    if (cached.empty()) {
-      out.insert(out.end(), w.begin(), w.end());
-      ctx->mark_non_differentiable(w);
-    }
-    return out;
+    return with_cast(ctx, y, w, cached.empty());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -174,10 +166,7 @@ Outputs linear_mx(const at::Tensor& x, const at::Tensor& weight, const OptTensor
     if (!cached.empty()) w.clear();
     return {y, w};
   }
-  auto out = LinearMX::apply(x, weight, bias, cached.vec(), c, out_dtype);
-  at::Tensor y = out[0];
-  out.erase(out.begin());
-  return {y, out};
+  return split_outputs(LinearMX::apply(x, weight, bias, cached.vec(), c, out_dtype));
 }
 
 }  // namespace

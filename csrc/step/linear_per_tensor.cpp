@@ -125,7 +125,7 @@ struct LinearPerTensor : public torch::autograd::Function<LinearPerTensor> {
         fp8ops_step::forward(x, weight, bias, w_data, w_data_t, w_scale_inv, w_scale, s, out_dtype);
     ctx->save_for_backward({xq_t, w[1], x_scale_inv, w[2]});
     auto& d = ctx->saved_data;
-    d["grad_word"] = s.grad_word;
+    save_common(ctx, x, weight, bias, s.grad_word);
     d["recording_word"] = s.recording_word;
     d["delayed"] = s.delayed;
     d["grad_role"] = s.grad_role;
@@ -134,18 +134,10 @@ struct LinearPerTensor : public torch::autograd::Function<LinearPerTensor> {
     d["ema_alpha"] = s.ema_alpha;
     d["percentile"] = s.percentile;
     d["grad_warm"] = s.grad_warm;
-    d["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    d["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    d["b_dtype"] = bias.has_value() ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
     d["bwd"] = static_cast<int64_t>(s.bwd);
     d["grad_margin"] = s.grad_margin;
     d["power_of_two"] = s.power_of_two;
-    variable_list out = {y};
-    if (!w_data.has_value()) {
-      out.insert(out.end(), w.begin(), w.end());
-      ctx->mark_non_differentiable(w);  // (one call: each call replaces the last one's set)
-    }
-    return out;
+    return with_cast(ctx, y, w, !w_data.has_value());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -205,11 +197,8 @@ Outputs run(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias
     if (w_data.has_value()) w.clear();
     return {y, w};
   }
-  auto out = LinearPerTensor::apply(x, weight, bias, w_data, w_data_t, w_scale_inv, w_scale, s,
-                                    out_dtype);
-  at::Tensor y = out[0];
-  out.erase(out.begin());
-  return {y, out};
+  return split_outputs(LinearPerTensor::apply(x, weight, bias, w_data, w_data_t, w_scale_inv, w_scale, s,
+                                    out_dtype));
 }
 
 template <bool kAutograd>

@@ -53,6 +53,36 @@ inline c10::DispatchKeySet autocast_keys() {
   return c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
 }
 
+// What every step's backward reads besides its own: the host word it vouches through, and the
+// dtypes of the gradients it returns (b_dtype -1: no bias)
+inline void save_common(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                        const OptTensor& bias, const at::Tensor& grad_word) {
+  auto& d = ctx->saved_data;
+  d["grad_word"] = grad_word;
+  d["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+  d["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+  d["b_dtype"] = bias.has_value() ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
+}
+
+// A step Function's outputs: y, then the weight cast w when the forward made it (for the
+// layer's cache; nothing to differentiate)
+inline variable_list with_cast(AutogradContext* ctx, const at::Tensor& y, const Tensors& w,
+                               bool made) {
+  variable_list out = {y};
+  if (made) {
+    out.insert(out.end(), w.begin(), w.end());
+    ctx->mark_non_differentiable(w);  // (one call: each call replaces the last one's set)
+  }
+  return out;
+}
+
+// A step Function's outputs {y, the weight cast it made...} as the forward op returns them
+inline Outputs split_outputs(variable_list out) {
+  at::Tensor y = out[0];
+  out.erase(out.begin());
+  return {y, out};
+}
+
 inline void check_word(const at::Tensor& word, const char* name) {
   TORCH_CHECK(word.device().is_cpu() && word.scalar_type() == at::kLong && word.numel() == 1 &&
                   word.is_contiguous(),

@@ -118,12 +118,13 @@ def plan_for(layer, state, input: torch.Tensor, weight: torch.Tensor, key) -> Pl
         return Plan(recipe, state, layer.fallback, PYTHON)
     fwd, bwd = recipe_formats(recipe)
     if blockwise:
-        return Plan(recipe, state, layer.fallback, CPP,
-                    (fwd.dtype, bwd.dtype, recipe.power_of_two), run_blockwise)
+        return Plan(recipe, state, layer.fallback, CPP, (
+            torch.ops.fp8ops_step.linear_blockwise, False, fwd.dtype, bwd.dtype,
+            recipe.power_of_two), run_block)
     if mx:
-        return Plan(recipe, state, layer.fallback, CPP,
-                    (fwd.dtype, bwd.dtype, recipe.block_size, recipe.scale_mode == "rceil"),
-                    run_mx)
+        return Plan(recipe, state, layer.fallback, CPP, (
+            torch.ops.fp8ops_step.linear_mx, True, fwd.dtype, bwd.dtype, recipe.block_size,
+            recipe.scale_mode == "rceil"), run_block)
     args = (fwd.dtype, bwd.dtype, recipe.margin, grad_margin(recipe), recipe.power_of_two)
     if delayed:
         args += (recipe.interval, recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile)
@@ -221,10 +222,13 @@ def run_delayed(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
     return torch.ops.aten._unsafe_view(y, (*input.shape[:-1], weight.shape[0]))
 
 
-def run_blockwise(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
-                  bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    """run_current() under BlockwiseScaling: the weight cast {data, scale_inv, data^T} (128x128
-    blocks) reused or made by the op, as linear_blockwise (autograd.py) does."""
+def run_block(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
+              bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """run_current() for the block recipes (plan.args[0] is the op): the weight cast reused or
+    made by the op, in the layout the Python path's cache keeps (linear_blockwise: (data,
+    scale_inv, data^T); linear_mx: ((row data, row scales), (column data^T, column scales^T))).
+    MXFP8's y is a slice of the GEMM's padded result: returned as a tensor of its own, as
+    fp8ops.linear does."""
     cache = state.weight_cache
     payload = None
     capturing = False
@@ -234,44 +238,16 @@ def run_blockwise(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
     if not capturing:
         recompute = torch._C._current_graph_task_id() != -1
         payload, _ = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT)
+    op, mx, args = plan.args[0], plan.args[1], plan.args[2:]
     x2 = input.reshape(-1, weight.shape[1])
     if payload is None:
-        y, cast = torch.ops.fp8ops_step.linear_blockwise(
-            x2, weight, bias, None, None, None, cache.grad_word, *plan.args, out_dtype)
+        y, cast = op(x2, weight, bias, (), cache.grad_word, *args, out_dtype)
         if not capturing:
-            cache.store(weight, tuple(cast), None, stepped=False)
+            cache.store(weight, ((cast[0], cast[1]), (cast[2], cast[3])) if mx else tuple(cast),
+                        None, stepped=False)
     else:
-        y, _ = torch.ops.fp8ops_step.linear_blockwise(
-            x2, weight, bias, payload[0], payload[1], payload[2], cache.grad_word, *plan.args,
-            out_dtype)
-    if input.dim() == 2:
+        y, _ = op(x2, weight, bias, (*payload[0], *payload[1]) if mx else payload,
+                  cache.grad_word, *args, out_dtype)
+    if input.dim() == 2 and not mx:
         return y
-    return torch.ops.aten._unsafe_view(y, (*input.shape[:-1], weight.shape[0]))
-
-
-def run_mx(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
-           bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    """run_current() under MXFP8Scaling: the weight cast ((row data, row scales), (column data^T,
-    column scales^T)), reused or made by the op, as linear_mx (autograd.py) does. The op's y is a
-    slice of the GEMM's padded result: returned as a tensor of its own, as fp8ops.linear does."""
-    cache = state.weight_cache
-    payload = None
-    capturing = False
-    if input.is_cuda:
-        state.follow_stream(input.device)
-        capturing = torch._C._cuda_isCurrentStreamCapturing()
-    if not capturing:
-        recompute = torch._C._current_graph_task_id() != -1
-        payload, _ = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT)
-    x2 = input.reshape(-1, weight.shape[1])
-    if payload is None:
-        y, cast = torch.ops.fp8ops_step.linear_mx(x2, weight, bias, (), cache.grad_word,
-                                                  *plan.args, out_dtype)
-        if not capturing:
-            cache.store(weight, ((cast[0], cast[1]), (cast[2], cast[3])), None, stepped=False)
-    else:
-        (row, row_scales), (col_t, col_t_scales) = payload
-        y, _ = torch.ops.fp8ops_step.linear_mx(x2, weight, bias, (row, row_scales, col_t,
-                                                                   col_t_scales),
-                                               cache.grad_word, *plan.args, out_dtype)
     return torch.ops.aten._unsafe_view(y.contiguous(), (*input.shape[:-1], weight.shape[0]))
