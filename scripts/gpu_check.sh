@@ -7,7 +7,8 @@
 #   bash scripts/gpu_check.sh --quick         # at most 8 minutes, build included (below)
 #
 # --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
-# kernels' and the layer's test files) and racecheck of the shared-memory kernels; then the
+# C++ layer step's, the statistics kernel's, the casts' and the layer's test files; time limit
+# QUICK_TEST_LIMIT) and racecheck of the shared-memory kernels; then the
 # figures the open performance goals need: the host time of one layer step, the GPU timeline of
 # one step at 16384x8192x1280, the layer step against bf16 at five key shapes, and the casts at
 # 64 and 256 MB. Every section has its own time limit; the last lines are a table for
@@ -77,7 +78,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 
@@ -87,13 +88,13 @@ if want quickbench; then
   rc=$?; grep -E "^== |^   span" "$OUT/profile_linear.log"; record $rc profile_linear
 
   section "bench/bench_linear.py: key shapes"
-  timeout 120 python3 bench/bench_linear.py --recipes current,delayed --with-auto --rounds 3 --iters 5 \
+  timeout 90 python3 bench/bench_linear.py --recipes current,delayed --with-auto --rounds 3 --iters 5 \
     --shapes 16384x8192x7168,16384x8192x1280,8192x4096x4096,4096x4096x4096,1024x4096x4096 \
     --out "$OUT/results" > "$OUT/bench_linear.log" 2>&1
   rc=$?; record $rc bench_linear
 
   section "bench/bench_cast.py: 64 and 256 MB"
-  timeout 60 python3 bench/bench_cast.py --sizes-mb 64,256 --iters 10 --no-compile \
+  timeout 45 python3 bench/bench_cast.py --sizes-mb 64,256 --iters 10 --no-compile \
     --out "$OUT/results" > "$OUT/bench_cast.log" 2>&1
   rc=$?; record $rc bench_cast
 
