@@ -310,3 +310,17 @@ def test_the_step_calls_each_op_as_its_cuda_kernel_is_registered():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_environment_switch_turns_the_step_off():
+    """FP8OPS_DISABLE_STEP=1: every call takes the Python path (and trains the same)."""
+    code = (
+        "import torch, fp8ops\n"
+        "layer = fp8ops.FP8Linear(64, 32, fallback='never')\n"
+        "layer(torch.randn(4, 64)).sum().backward()\n"
+        "print(sorted(p.path for p in layer._plans.values()))\n")
+    for value, path in (("1", "python"), ("0", "cpp")):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "FP8OPS_DISABLE_STEP": value})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"['{path}']", proc.stdout
