@@ -320,7 +320,8 @@ def test_the_environment_switch_turns_the_step_off():
         "layer(torch.randn(4, 64)).sum().backward()\n"
         "print(sorted(p.path for p in layer._plans.values()))\n")
     for value, path in (("1", "python"), ("0", "cpp")):
+        env = {**os.environ, "FP8OPS_DISABLE_STEP": value}
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "FP8OPS_DISABLE_STEP": value})
+                              text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == f"['{path}']", proc.stdout

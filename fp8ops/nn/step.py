@@ -1,19 +1,19 @@
 """The layer step as two C++ calls: where an FP8Linear call may take it, decided once.
 
 csrc/step/ (fp8ops._step) defines the forward ops `fp8ops_step.linear_current`,
-`linear_delayed`, `linear_blockwise` and `linear_mx`: one dispatcher call each for the forward (the weight
-cast when the cache has none to reuse, the input cast, the forward GEMM), whose autograd node,
-in C++, is the backward (the output gradient's cast with the bias gradient in the same op,
-dgrad and wgrad). They call the ops the Python path's Functions (autograd.py) call, in the same
-order with the same arguments, so both paths give the same bytes (tests/test_step.py). The
-layer's WeightCache decides, as on the Python path, whether the cached weight cast serves the
+`linear_delayed`, `linear_blockwise` and `linear_mx`: one dispatcher call each for the forward
+(the weight cast when the cache has none to reuse, the input cast, the forward GEMM), whose
+autograd node, in C++, is the backward (the output gradient's cast with the bias gradient in the
+same op, dgrad and wgrad). They call the ops the Python path's Functions (autograd.py) call, in
+the same order with the same arguments, so both paths give the same bytes (tests/test_step.py).
+The layer's WeightCache decides, as on the Python path, whether the cached weight cast serves the
 call (lookup) and keeps a new one (store); the C++ backward vouches for it through the cache's
 grad_word, and reads whether a delayed-scaling layer records through its state's
 recording_word.
 
 Which calls take it: current and delayed per-tensor scaling with round-to-nearest casts,
-blockwise and MXFP8 scaling, on a plain local weight, in eager mode, activation-checkpoint recomputes and
-CUDA-graph capture included (there every call casts the weight, as on the Python path). The
+blockwise and MXFP8 scaling, on a plain local weight, in eager mode, activation-checkpoint
+recomputes and CUDA-graph capture included (there every call casts the weight, as on the Python path). The
 Python path keeps stochastic rounding, a percentile amax, tensor-parallel shards, FSDP2's
 gathered weights, a host-offloaded weight, a weight with a main_grad, a sampled monitor step,
 torch.compile, and under delayed scaling torch.distributed and forwards without grad. A call
