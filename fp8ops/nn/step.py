@@ -14,15 +14,15 @@ recording_word.
 Which calls take it: current and delayed per-tensor scaling with round-to-nearest casts,
 blockwise and MXFP8 scaling, on a plain local weight, in eager mode, activation-checkpoint
 recomputes and CUDA-graph capture included (there every call casts the weight, as on the
-Python path). The Python path keeps stochastic rounding, a percentile amax, tensor-parallel shards, FSDP2's
-gathered weights, a host-offloaded weight, a weight with a main_grad, a sampled monitor step,
-torch.compile, and under delayed scaling torch.distributed and forwards without grad. A call
-the layer's fallback sends to nn.Linear's GEMMs goes there directly. The decision depends on
-the kind of call (input and weight dtypes and devices, grad and inference mode, training,
-autocast, and the token count where a fallback rule reads it): FP8Linear.forward makes it once
-per kind (plan_for) and keeps it; what can change between calls of one kind (the recipe, the
-state, a monitor, the weight's type) it compares on every call without entering a Python
-function.
+Python path). The Python path keeps stochastic rounding, a percentile amax, tensor-parallel
+shards, FSDP2's gathered weights, a host-offloaded weight, a weight with a main_grad, a sampled
+monitor step, torch.compile, and under delayed scaling torch.distributed and forwards without
+grad. A call the layer's fallback sends to nn.Linear's GEMMs goes there directly. The decision
+depends on the kind of call (input and weight dtypes and devices, grad and inference mode,
+training, autocast, and the token count where a fallback rule reads it): FP8Linear.forward
+makes it once per kind (plan_for) and keeps it; what can change between calls of one kind (the
+recipe, the state, a monitor, the weight's type) it compares on every call without entering a
+Python function.
 """
 from __future__ import annotations
 
