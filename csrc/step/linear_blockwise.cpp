@@ -3,10 +3,11 @@
 // linear_per_tensor.cpp does for the per-tensor recipes: the calls of
 // fp8ops/nn/autograd.py's BlockwiseLinear, in the same order with the same arguments.
 //
-// linear_blockwise: the weight cast {data, scale_inv, data^T} (`cached`, or made when the layer's
-// cache has none to reuse, and returned for the cache), the input's two block copies in one call (1x128 along K for
-// this GEMM, along M for wgrad), the forward GEMM. Its backward casts the output gradient (both
-// copies and the bias gradient in one call when dgrad and wgrad are both wanted) and runs them.
+// linear_blockwise: the weight cast {data, scale_inv, data^T} (`cached`, or made when the
+// layer's cache has none to reuse, and returned for the cache), the input's two block copies in
+// one call (1x128 along K for this GEMM, along M for wgrad), the forward GEMM. Its backward
+// casts the output gradient (both copies and the bias gradient in one call when dgrad and wgrad
+// are both wanted) and runs them.
 #include <torch/library.h>
 
 #include "step_ops.h"
@@ -62,11 +63,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, Tensors> forward(
 }
 
 struct LinearBlockwise : public torch::autograd::Function<LinearBlockwise> {
+  static std::tuple<at::Tensor, Tensors> forward_only(const at::Tensor& x, const at::Tensor& weight,
+                                                      const OptTensor& bias, const Tensors& cached,
+                                                      const Config& c, at::ScalarType out_dtype) {
+    auto [y, xt_data, xt_scale_inv, w] =
+        fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
+    return {y, w};
+  }
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const OptTensor& bias, const Tensors& cached, const Config& c,
                                at::ScalarType out_dtype) {
     ctx->set_materialize_grads(false);  // no zeros for the weight cast's outputs (no gradient)
-    auto [y, xt_data, xt_scale_inv, w] = fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
+    auto [y, xt_data, xt_scale_inv, w] =
+        fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
     ctx->save_for_backward({xt_data, xt_scale_inv, w[2], w[1].t()});
     auto& d = ctx->saved_data;
     save_common(ctx, x, weight, bias, c.grad_word);
@@ -123,16 +133,9 @@ Outputs linear_blockwise(const at::Tensor& x, const at::Tensor& weight, const Op
                          at::TensorList cached, const at::Tensor& grad_word,
                          at::ScalarType fwd_dtype, at::ScalarType bwd_dtype, bool power_of_two,
                          at::ScalarType out_dtype) {
-  check_word(grad_word, "grad_word");
-  TORCH_CHECK(cached.empty() || cached.size() == 3,
-              "fp8ops_step: a cached blockwise weight cast has three tensors, got ", cached.size());
-  Config c{fwd_dtype, bwd_dtype, power_of_two, grad_word};
-  if (!kAutograd) {  // below autograd (inference mode): the forward alone
-    auto [y, xt_data, xt_scale_inv, w] = forward(x, weight, bias, cached.vec(), c, out_dtype);
-    if (!cached.empty()) w.clear();
-    return {y, w};
-  }
-  return split_outputs(LinearBlockwise::apply(x, weight, bias, cached.vec(), c, out_dtype));
+  return block_step<LinearBlockwise>(kAutograd, x, weight, bias, cached, 3,
+                                     Config{fwd_dtype, bwd_dtype, power_of_two, grad_word},
+                                     out_dtype);
 }
 
 }  // namespace

@@ -85,6 +85,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, Tensors> forward(
 }
 
 struct LinearMX : public torch::autograd::Function<LinearMX> {
+  static std::tuple<at::Tensor, Tensors> forward_only(const at::Tensor& x, const at::Tensor& weight,
+                                                      const OptTensor& bias, const Tensors& cached,
+                                                      const Config& c, at::ScalarType out_dtype) {
+    auto [y, xc_t, xc_t_scales, w] = fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
+    return {y, w};
+  }
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const OptTensor& bias, const Tensors& cached, const Config& c,
                                at::ScalarType out_dtype) {
@@ -156,17 +163,10 @@ Outputs linear_mx(const at::Tensor& x, const at::Tensor& weight, const OptTensor
                   at::TensorList cached, const at::Tensor& grad_word, at::ScalarType fwd_dtype,
                   at::ScalarType bwd_dtype, int64_t block_size, bool rceil,
                   at::ScalarType out_dtype) {
-  check_word(grad_word, "grad_word");
-  TORCH_CHECK(cached.empty() || cached.size() == 4,
-              "fp8ops_step: a cached MXFP8 weight cast has four tensors, got ", cached.size());
   TORCH_CHECK(block_size > 0, "fp8ops_step: block_size must be positive, got ", block_size);
-  Config c{fwd_dtype, bwd_dtype, block_size, rceil, grad_word};
-  if (!kAutograd) {  // below autograd (inference mode): the forward alone
-    auto [y, xc_t, xc_t_scales, w] = forward(x, weight, bias, cached.vec(), c, out_dtype);
-    if (!cached.empty()) w.clear();
-    return {y, w};
-  }
-  return split_outputs(LinearMX::apply(x, weight, bias, cached.vec(), c, out_dtype));
+  return block_step<LinearMX>(kAutograd, x, weight, bias, cached, 4,
+                              Config{fwd_dtype, bwd_dtype, block_size, rceil, grad_word},
+                              out_dtype);
 }
 
 }  // namespace

@@ -71,7 +71,8 @@ Cast cast(const at::Tensor& x, const Scaling& s, const Tensors& role, at::Scalar
 }
 
 // fp8ops::quantize: x * scale cast, with its transposed copy (and x's amax, unused here)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& scale,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x,
+                                                        const at::Tensor& scale,
                                                         at::ScalarType dtype) {
   static auto h = op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, at::ScalarType, bool, bool, int64_t, int64_t,
@@ -197,8 +198,8 @@ Outputs run(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias
     if (w_data.has_value()) w.clear();
     return {y, w};
   }
-  return split_outputs(LinearPerTensor::apply(x, weight, bias, w_data, w_data_t, w_scale_inv, w_scale, s,
-                                    out_dtype));
+  return split_outputs(LinearPerTensor::apply(x, weight, bias, w_data, w_data_t, w_scale_inv,
+                                              w_scale, s, out_dtype));
 }
 
 template <bool kAutograd>

@@ -89,6 +89,23 @@ inline void check_word(const at::Tensor& word, const char* name) {
               "fp8ops_step: ", name, " must be one int64 on the CPU");
 }
 
+// The body of a block recipe's forward op: its Function under autograd, the Function's forward
+// alone below it (inference mode). cached: the layer's cached weight cast (n_cast tensors), or
+// none (the op casts the weight and returns that cast).
+template <class Function, class Config>
+Outputs block_step(bool autograd, const at::Tensor& x, const at::Tensor& weight,
+                   const OptTensor& bias, at::TensorList cached, size_t n_cast, const Config& c,
+                   at::ScalarType out_dtype) {
+  check_word(c.grad_word, "grad_word");
+  TORCH_CHECK(cached.empty() || cached.size() == n_cast, "fp8ops_step: a cached weight cast has ",
+              n_cast, " tensors, got ", cached.size());
+  if (autograd)
+    return split_outputs(Function::apply(x, weight, bias, cached.vec(), c, out_dtype));
+  auto [y, w] = Function::forward_only(x, weight, bias, cached.vec(), c, out_dtype);
+  if (!cached.empty()) w.clear();
+  return {y, w};
+}
+
 // The gradient about to be accumulated comes from the layer's weight cast: its weight cache may
 // take it as that cast's voucher (a host word the cache's gradient hook reads)
 inline void vouch(const at::Tensor& grad_word) { grad_word.data_ptr<int64_t>()[0] = 1; }
