@@ -7,6 +7,7 @@ baseline, tokens/s, memory.
     python examples/train_gpt.py --size gpu-gpt2    # the earlier GPU preset: GPT, d_model 768
     python examples/train_gpt.py --arch llama       # any preset with the other architecture
     python examples/train_gpt.py --offload          # fp8ops.CPUOffloadOptimizer(AdamW) instead
+    python examples/train_gpt.py --optimizer fp8adamw   # fp8ops.FP8AdamW: moments in FP8
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
 
 Presets (--size; every field can be overridden by its flag): cpu (the default: GPT d_model 128, 2
@@ -29,11 +30,12 @@ token / position embeddings and the LM head stay in high precision (filter_fn), 
 RMSNorm, the rotary embedding, softmax-attention and the loss. Baseline precision: float32 on
 CPU; on CUDA every run (the baseline and the non-FP8 ops of the FP8 runs) runs under bfloat16
 autocast.
-Optimizer: AdamW, or with --offload fp8ops.CPUOffloadOptimizer(AdamW): FP32 masters and AdamW
-state on the host, the FP8 layers' weights on the device in FP8 only. The "device state" column
-counts exactly (fp8ops.memory.device_state_bytes, just before the last optimizer step) the device
-bytes of the parameters, gradients, cached FP8 weights, FP8 scaling state and optimizer state; on
-a CPU-only machine, what a GPU would hold.
+Optimizer: AdamW, or fp8ops.FP8AdamW with --optimizer fp8adamw (the moments in FP8 with block
+scales, --second-moment picks v's format); with --offload, fp8ops.CPUOffloadOptimizer of either:
+FP32 masters and the optimizer state on the host, the FP8 layers' weights on the device in FP8
+only. The "device state" column counts exactly (fp8ops.memory.device_state_bytes, just before the
+last optimizer step) the device bytes of the parameters, gradients, cached FP8 weights, FP8
+scaling state and optimizer state; on a CPU-only machine, what a GPU would hold.
 Outputs in --out-dir: results.md (the table), loss_curves.png, scaling.png (each FP8 layer's scale
 and gradient underflow over the run, from fp8ops.monitor), results.json.
 
@@ -86,6 +88,8 @@ RECIPES = {
     # not run by default: the outlier-robust amax (99.99th percentile of |x| in each tensor)
     "current_p99.99": lambda: fp8ops.CurrentScaling(amax_percentile=99.99),
 }
+OPTIMIZERS = ("adamw", "fp8adamw")
+SECOND_MOMENTS = ("sqrt_e4m3", "e5m2", "bf16")
 DEFAULT_RECIPES = ["baseline", "delayed", "current", "current_stochastic", "mxfp8", "blockwise"]
 # Presets; every field can be overridden by its flag. The CPU presets fix the thread count (but
 # for --fsdp): a float32 GEMM splits its sums by thread, and the FP8 casts round what differs
@@ -152,6 +156,10 @@ def parse_args(argv=None):
                    help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
     p.add_argument("--offload", action="store_true",
                    help="fp8ops.CPUOffloadOptimizer(AdamW): masters and optimizer state on the host")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw (torch) or fp8adamw (fp8ops.FP8AdamW: moments in FP8)")
+    p.add_argument("--second-moment", choices=SECOND_MOMENTS, default="sqrt_e4m3",
+                   help="how fp8adamw stores Adam's second moment (default sqrt_e4m3)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 over the ranks of torchrun (see the module doc)")
     args = p.parse_args(argv)
@@ -304,6 +312,11 @@ def count_params(args) -> int:
         return sum(p.numel() for p in build_model(args).parameters())
 
 
+def optimizer_name(args) -> str:
+    name = "AdamW" if args.optimizer == "adamw" else f"FP8AdamW({args.second_moment})"
+    return f"CPUOffloadOptimizer({name})" if args.offload else name
+
+
 def keep_high_precision(module, fqn):
     """filter_fn for convert_to_fp8: only the transformer blocks' Linears go to FP8."""
     return fqn.startswith("blocks.")
@@ -340,12 +353,15 @@ def run(name, args, train_tokens, val_batches, ranks):
     if ranks.fsdp:
         ranks.shard(model)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_class = torch.optim.AdamW
+    if args.optimizer == "fp8adamw":
+        opt_class, hyper["second_moment"] = fp8ops.FP8AdamW, args.second_moment
     if args.offload:
         # the non-finite check reuses the norm of the clipping below: free
-        opt = fp8ops.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW,
-                                         skip_nonfinite=True, **hyper)
+        opt = fp8ops.CPUOffloadOptimizer(model.parameters(), opt_class, skip_nonfinite=True,
+                                         **hyper)
     else:
-        opt = torch.optim.AdamW(model.parameters(), **hyper)
+        opt = opt_class(model.parameters(), **hyper)
     batches = Batches(train_tokens, args.batch_size, args.seq_len, seed=args.seed + 1)
     if device.type == "cuda":
         def autocast():
@@ -421,7 +437,7 @@ def table(results, args, device, ranks):
             f"batch={args.batch_size} steps={args.steps} lr={args.lr} seed={args.seed} "
             f"threads={torch.get_num_threads()}; device={device} "
             f"({'bf16 autocast' if device.type == 'cuda' else 'float32'} baseline); optimizer="
-            f"{'CPUOffloadOptimizer(AdamW)' if args.offload else 'AdamW'}; "
+            f"{optimizer_name(args)}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
                f"state of rank 0); " if ranks.fsdp else "") + "fp8ops backend="
             f"{backend} ({backend.reason}); FP8: blocks' Linears only, fallback={args.fallback} "

@@ -6,9 +6,9 @@ docs/numerics.md.
 
 Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), scaling/ (the
 recipes, ScalingState and the weight cache), nn/ (autograd Functions, fp8ops.linear, FP8Linear
-and convert_to_fp8), optim/ (CPU offload of masters and optimizer state), distributed/ (FSDP2,
-tensor parallelism and the amax all-reduces). Beside them: formats, tensors (quantize / gemm),
-monitoring and memory.
+and convert_to_fp8), optim/ (CPU offload of masters and optimizer state, FP8AdamW),
+distributed/ (FSDP2, tensor parallelism and the amax all-reduces). Beside them: formats, tensors
+(quantize / gemm), monitoring and memory.
 """
 import sys
 
@@ -20,6 +20,7 @@ from .nn.functional import linear
 from .nn.modules import (SHARDED_WEIGHT_HOOKS, FP8Conv1D, FP8Linear, convert_from_fp8,
                          convert_to_fp8, plain_state_dict)
 from .ops.backend import backend
+from .optim.fp8_adamw import FP8Adam, FP8AdamW
 from .optim.offload import CPUOffloadOptimizer
 from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                       ScalingState)
@@ -70,4 +71,5 @@ __all__ = [
     "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
     "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
     "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", "Crossover", *_LAZY,
+    "FP8AdamW", "FP8Adam",
 ]

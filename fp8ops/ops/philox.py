@@ -73,9 +73,12 @@ def _block(start: int, m: int, key, off, bufs):
     return c0, c1, c2, c3
 
 
-def chunks(n: int, seed: int, offset: int, device):
-    """Yield (first counter, 4 word tensors) for the counters of flat elements 0..n-1, block by
-    block (blocks never straddle a multiple of 2^32 counters); c1 and c3 come unmasked."""
+def chunks(n: int, seed: int, offset: int, device, first: int = 0):
+    """Yield (first counter, 4 word tensors) for the counters of flat elements first..first+n-1
+    (first a multiple of 4), block by block (blocks never straddle a multiple of 2^32
+    counters); c1 and c3 come unmasked. The yielded counters count from `first` // 4."""
+    if first % 4:
+        raise ValueError(f"fp8ops: a random stream is read from a multiple of 4, got {first}")
     nc = (n + 3) // 4
     key = (seed & MASK32, (seed >> 32) & MASK32)
     off = (offset & MASK32, (offset >> 32) & MASK32)
@@ -85,21 +88,23 @@ def chunks(n: int, seed: int, offset: int, device):
     pad = torch.get_num_threads() > 1 and _PARALLEL_MIN // 4 < size < _PARALLEL_MIN
     bufs = [scratch(f"philox{i}", (_PARALLEL_MIN if pad else size,), torch.int64, device)
             for i in range(6)]
-    start = 0
-    while start < nc:
+    start, end = first // 4, first // 4 + nc
+    while start < end:
         room = (1 << 32) - (start & MASK32)
-        m = min(size, nc - start, room)
+        m = min(size, end - start, room)
         words = _block(start, min(_PARALLEL_MIN, room) if pad else m, key, off, bufs)
         yield start, [w[:m] for w in words]
         start += m
 
 
-def random_words(n: int, seed: int, offset: int, device) -> torch.Tensor:
-    """The 32-bit random word (as int64) of each flat element 0..n-1."""
+def random_words(n: int, seed: int, offset: int, device, first: int = 0) -> torch.Tensor:
+    """The 32-bit random word (as int64) of each flat element first..first+n-1 (first a
+    multiple of 4)."""
     out = torch.empty(((n + 3) // 4, 4), dtype=torch.int64, device=device)
-    for start, words in chunks(n, seed, offset, device):
+    for start, words in chunks(n, seed, offset, device, first):
+        row = start - first // 4
         for i, w in enumerate(words):
-            torch.bitwise_and(w, MASK32, out=out[start:start + w.numel(), i])
+            torch.bitwise_and(w, MASK32, out=out[row:row + w.numel(), i])
     return out.reshape(-1)[:n]
 
 

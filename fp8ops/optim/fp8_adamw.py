@@ -1,0 +1,266 @@
+"""FP8AdamW and FP8Adam: Adam's moments in FP8 with block scales (moments.py), the master being
+the parameter itself in its own dtype.
+
+- float32 parameters are their own float32 masters;
+- bfloat16 parameters (`model.to(torch.bfloat16)`) are updated in float32 and stochastically
+  rounded back to bf16 (fp8ops.ops.bf16_rounding), so no float32 copy exists anywhere.
+
+The step's arithmetic is fixed, so that any implementation (this one, in PyTorch, on any
+device; a fused kernel) gives the same bytes: docs/numerics.md, "FP8AdamW". The state is 2 bytes
+a value with the default second moment (E4M3 m and sqrt(v), plus 8 bytes of scales per 128
+values) against torch AdamW's 8.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Optional
+
+import torch
+from torch.optim import Optimizer
+
+from ..ops.bf16_rounding import stochastic_round_bf16
+from . import moments
+
+_MASK32 = 0xFFFFFFFF
+_TORCH_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def _f32(v: float) -> float:
+    """v rounded to float32 (as a Python float): every scalar of the step is a float32."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 and tensor parallelism), else t."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _check_hyper(lr, betas, eps, weight_decay, second_moment, min_fp8_numel) -> None:
+    if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
+        raise ValueError(f"FP8AdamW: lr must be a float >= 0, got {lr!r}")
+    if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"FP8AdamW: betas must be two floats in [0, 1), got {betas!r}")
+    if not 0.0 <= eps:
+        raise ValueError(f"FP8AdamW: eps must be >= 0, got {eps!r}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"FP8AdamW: weight_decay must be >= 0, got {weight_decay!r}")
+    if second_moment not in moments.SECOND_MOMENTS:
+        raise ValueError(f"FP8AdamW: second_moment must be one of {moments.SECOND_MOMENTS}, "
+                         f"got {second_moment!r}")
+    if int(min_fp8_numel) != min_fp8_numel or min_fp8_numel < 0:
+        raise ValueError(f"FP8AdamW: min_fp8_numel must be an int >= 0, got {min_fp8_numel!r}")
+
+
+class FP8AdamW(Optimizer):
+    """AdamW with its moments in FP8 (block scales of 128 values) and the master in the
+    parameter's own dtype (float32, or bfloat16 updated with stochastic rounding).
+
+    lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+    second_moment: how v is stored: "sqrt_e4m3" (default), "e5m2" or "bf16" (moments.py).
+    min_fp8_numel: parameters with fewer values keep float32 moments (default 4096).
+    seed: the stochastic rounding stream of bf16 parameters (each parameter and step reads its
+      own part of it: runs with the same seed give the same bytes).
+    skip_nonfinite: step() leaves everything unchanged when a gradient holds inf or NaN
+      (`last_step_skipped`, `skipped_steps` say so); the norm of clip_grad_norm_ since the last
+      step is reused, else one pass computes it.
+
+    state_dict() is exact (FP8 bytes and scales); load_state_dict() also takes the state of a
+    torch Adam/AdamW (its moments rounded into this format) and to_torch_state_dict() gives one
+    (the moments as float32), see docs/numerics.md.
+    """
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, second_moment: str = "sqrt_e4m3",
+                 min_fp8_numel: int = 4096, seed: int = 0, skip_nonfinite: bool = False):
+        _check_hyper(lr, tuple(betas), eps, weight_decay, second_moment, min_fp8_numel)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        second_moment=second_moment, min_fp8_numel=int(min_fp8_numel),
+                        seed=int(seed))
+        super().__init__(params, defaults)
+        self.skip_nonfinite = skip_nonfinite
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self._total_norm: Optional[torch.Tensor] = None
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyper(group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"],
+                     group["second_moment"], group["min_fp8_numel"])
+        for p in group["params"]:
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(f"{type(self).__name__}: parameters must be float32 or bfloat16 "
+                                f"(bfloat16 ones are updated with stochastic rounding), got one "
+                                f"of dtype {p.dtype} and shape {tuple(p.shape)}")
+
+    # -- the step ----------------------------------------------------------------------------
+    def _params_with_grad(self):
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse "
+                                           "gradients")
+                    yield group, index, p
+                index += 1
+
+    def _grads_finite(self) -> bool:
+        if self._total_norm is not None:
+            return bool(torch.isfinite(self._total_norm))
+        grads = [_local(p.grad) for _, _, p in self._params_with_grad()]
+        return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, 2.0)))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients; the norm is kept for
+        the next step's skip_nonfinite check."""
+        params = [p for _, _, p in self._params_with_grad()]
+        self._total_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                          error_if_nonfinite, foreach)
+        return self._total_norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_step_skipped = self.skip_nonfinite and not self._grads_finite()
+        self._total_norm = None
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+            return loss
+        for group, index, p in self._params_with_grad():
+            self._step_param(group, index, p)
+        return loss
+
+    def _init_state(self, group: dict, p: torch.Tensor) -> dict:
+        local = _local(p)
+        fp8 = local.numel() >= group["min_fp8_numel"]
+        state = moments.empty_state(local.numel(), group["second_moment"], fp8, local.device)
+        state["step"] = torch.tensor(0.0)
+        return state
+
+    def _step_param(self, group: dict, index: int, p: torch.Tensor) -> None:
+        state = self.state[p]
+        if not state:
+            state.update(self._init_state(group, p))
+        state["step"] += 1
+        t = int(state["step"].item())
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        local, grad = _local(p), _local(p.grad)
+        flat = local.reshape(-1)
+        g = grad.reshape(-1).float()
+        p32 = flat.float()
+        if wd and not self.decoupled_weight_decay:
+            g = g.add(p32.mul(_f32(wd)))
+        m, v = moments.read(state, flat.numel())
+        m = m.mul(_f32(beta1)).add_(g.mul(_f32(1.0 - beta1)))
+        v = v.mul(_f32(beta2)).add_(g.mul(g).mul_(_f32(1.0 - beta2)))
+        sqrt_v = moments.sqrt_rn(v)
+        # a multiply by the float32 reciprocal, not a division by a scalar (which torch turns
+        # into a multiply by a reciprocal of its own on some devices)
+        denom = sqrt_v.mul(_f32(1.0 / math.sqrt(1.0 - beta2 ** t))).add_(_f32(group["eps"]))
+        update = m.div(denom)
+        # v = 0 means m = 0 in exact arithmetic: where v's rounding lost a tiny value, a stored
+        # m would otherwise be divided by eps alone
+        update = update.masked_fill_(sqrt_v == 0, 0.0).mul_(_f32(lr / (1.0 - beta1 ** t)))
+        if wd and self.decoupled_weight_decay:
+            p32 = p32.mul(_f32(1.0 - lr * wd))
+        p32 = p32.sub(update)
+        moments.write(state, m, v, sqrt_v)
+        if local.dtype == torch.bfloat16:
+            offset = (index << 32) | (t & _MASK32)
+            rounded = stochastic_round_bf16(p32, group["seed"], offset)
+            flat.copy_(rounded)
+        else:
+            flat.copy_(p32)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """This optimizer's state_dict (exact), or a torch Adam/AdamW one: its moments rounded
+        into this optimizer's format, its lr, betas, eps and weight_decay taken."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(saved_groups)} param "
+                             f"groups saved, {len(self.param_groups)} here")
+        groups = []
+        for saved, group in zip(saved_groups, self.param_groups):
+            if saved.get("amsgrad") or saved.get("maximize"):
+                raise ValueError(f"{type(self).__name__}.load_state_dict: the saved optimizer "
+                                 "used amsgrad or maximize, which this one does not implement")
+            merged = {k: v for k, v in group.items() if k != "params"}
+            merged.update({k: saved[k] for k in merged if k in saved})
+            merged["betas"] = tuple(merged["betas"])
+            merged["params"] = saved["params"]
+            groups.append(merged)
+        saved_state = state_dict["state"]
+        super().load_state_dict({"state": {}, "param_groups": groups})
+        ids = [i for g in groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(ids, params):
+            if saved_id in saved_state:
+                group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+                self.state[p] = self._loaded(group, p, saved_state[saved_id])
+
+    def _loaded(self, group: dict, p: torch.Tensor, saved: dict) -> dict:
+        local = _local(p)
+        state = self._init_state(group, p)
+        state["step"] = torch.tensor(float(saved["step"]))
+        if all(k in saved for k in _TORCH_STATE):
+            m, v = (_local(saved[k]).reshape(-1).float().to(local.device) for k in _TORCH_STATE)
+            if m.numel() != local.numel() or v.numel() != local.numel():
+                raise ValueError(f"{type(self).__name__}.load_state_dict: saved moments of "
+                                 f"{m.numel()} values for a parameter of {local.numel()}")
+            moments.write(state, m, v, moments.sqrt_rn(v))
+            return state
+        same = {k: t.to(local.device) for k, t in saved.items() if k != "step"}
+        if moments.form(same) == moments.form(state) and all(
+                same[k].shape == state[k].shape for k in same if k in state):
+            state.update(same)  # the exact bytes
+            return state
+        m, v = moments.read(same, local.numel())
+        moments.write(state, m, v, moments.sqrt_rn(v))
+        return state
+
+    def to_torch_state_dict(self) -> dict:
+        """This optimizer's state in torch.optim.AdamW's format (Adam's for FP8Adam): the
+        moments as float32 tensors of each parameter's (local) shape."""
+        ours = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for i, p in enumerate(params):
+            if p in self.state and self.state[p]:
+                local = _local(p)
+                m, v = moments.read(self.state[p], local.numel())
+                state[i] = {"step": self.state[p]["step"].clone(),
+                            "exp_avg": m.clone().view(local.shape),
+                            "exp_avg_sq": v.clone().view(local.shape)}
+        groups = []
+        for g in ours["param_groups"]:
+            groups.append(dict(lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                               weight_decay=g["weight_decay"], amsgrad=False, maximize=False,
+                               foreach=None, capturable=False, differentiable=False, fused=None,
+                               decoupled_weight_decay=self.decoupled_weight_decay,
+                               params=g["params"]))
+        return {"state": state, "param_groups": groups}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held (moments and scales)."""
+        return sum(moments.state_bytes(s) for s in self.state.values())
+
+
+class FP8Adam(FP8AdamW):
+    """Adam (weight decay added to the gradient, L2) with FP8AdamW's state format."""
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
