@@ -2,10 +2,11 @@
 kind), functional.py (fp8ops.linear), modules.py (FP8Linear, FP8Conv1D, convert_to_fp8),
 fallback.py (which calls run in high precision) and cast_stats.py (one cast's statistics, for
 fp8ops.monitor). Built on fp8ops.scaling (the recipes, the state, the weight cache)."""
+from .activations import fp8_activations
 from .fallback import Crossover
 from .functional import linear
 from .modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
                       plain_state_dict)
 
-__all__ = ["Crossover", "FP8Conv1D", "FP8Linear", "convert_from_fp8", "convert_to_fp8", "linear",
-           "plain_state_dict"]
+__all__ = ["Crossover", "FP8Conv1D", "FP8Linear", "convert_from_fp8", "convert_to_fp8",
+           "fp8_activations", "linear", "plain_state_dict"]
