@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from ..formats import FP8Format, get_format
@@ -113,6 +114,7 @@ class _SavedInFP8(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the recompute's graph is not kept: no double backward
     def backward(ctx, grad_out):
         data, scale_inv, *params = ctx.saved_tensors
         x = _dequantize(data, scale_inv, ctx.recipe, ctx.shape, ctx.dtype)
