@@ -35,6 +35,8 @@ def covered_ops(dtype):
     return [
         ("layer_norm", lambda x: F.layer_norm(x, (N,), w, b), [w, b], None),
         ("rms_norm", lambda x: F.rms_norm(x, (N,), w), [w], None),
+        ("torch.layer_norm", lambda x: torch.layer_norm(x, [N], w, b, 1e-6), [w, b], None),
+        ("torch.rms_norm", lambda x: torch.rms_norm(x, [N], w, 1e-6), [w], None),
         ("nn.LayerNorm", torch.nn.LayerNorm(N, dtype=dtype), None, None),
         ("nn.RMSNorm", torch.nn.RMSNorm(N, dtype=dtype), None, None),
         ("gelu", F.gelu, [], 0.8),  # gelu'' = phi(x) (2 - x^2), at most 2 phi(0) < 0.8
@@ -396,3 +398,18 @@ def test_training_loss_stays_close():
     for a, b in zip(plain, fp8):
         assert math.isfinite(b) and abs(a - b) <= 0.1 * a
     assert fp8[-1] < 0.1 * fp8[0]
+
+
+def test_arguments_torch_refuses_get_torchs_error():
+    x = _input(torch.float32)
+    with fp8ops.fp8_activations(), pytest.raises(TypeError, match="gelu"):
+        F.gelu(x, "tanh", 3)
+
+
+def test_non_contiguous_input():
+    x = _input(torch.float32, (N, 6))
+    with fp8ops.fp8_activations(recipe="tensor"):
+        out = F.silu(x.t())
+    assert torch.equal(out, F.silu(x.t()))
+    out.sum().backward()
+    assert x.grad.shape == x.shape

@@ -81,7 +81,8 @@ def _quantize(x: torch.Tensor, recipe: str, fmt: FP8Format):
     """(data, scale_inv) of x: saturating RNE to fmt with power-of-two scales, so that the
     dequantized values are exactly the FP8 values times a power of two."""
     if recipe == "tensor":
-        data, _, _, scale_inv, _ = torch.ops.fp8ops.quantize_current(x, fmt.dtype, 1.0, True)
+        data, _, _, scale_inv, _ = torch.ops.fp8ops.quantize_current(x.contiguous(), fmt.dtype,
+                                                                     1.0, True)
         return data, scale_inv
     x2d = x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
     return torch.ops.fp8ops.quantize_blockwise(x2d.contiguous(), fmt.dtype, 1, BLOCK, True)
@@ -152,7 +153,10 @@ class _FP8ActivationMode(TorchFunctionMode):
         # torch.compile traces the plain ops: the FP8 copies are an eager-mode feature
         if bind is None or getattr(_inside, "active", False) or torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        call = bind(*args, **kwargs)
+        try:
+            call = bind(*args, **kwargs)
+        except TypeError:  # arguments torch would refuse: let it say so
+            call = None
         if call is None or not _worth_saving(call.x):
             return func(*args, **kwargs)
         with _running_covered_op():
