@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 sys.path.insert(1, os.path.dirname(HERE))
 import fp8ops  # noqa: E402
-from _timing import add_smoke_options, device_info, interleaved, results_dir, write_table  # noqa: E402,E501
+from _timing import (add_smoke_options, device_info, interleaved, results_dir,  # noqa: E402
+                     write_table)
 from gpt import GPT, GPTConfig  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
