@@ -177,6 +177,15 @@ def test_float16_gradient_comes_back_in_float16():
     assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
 
 
+def test_float16_near_its_max_is_saved_finite():
+    """63488 and above round up to 2^16 in E4M3 (power-of-two scale 2^8): clamped to 65504."""
+    x = torch.tensor([[65504.0, 63488.0, 1.0]], dtype=torch.float16, requires_grad=True)
+    with fp8ops.fp8_activations():
+        out = F.silu(x)
+    (g,) = _grads(out, [x], torch.ones_like(out))
+    assert torch.isfinite(g).all()
+
+
 def _is_plain(out):
     return out.grad_fn is None or type(out.grad_fn).__name__ != "_SavedInFP8Backward"
 

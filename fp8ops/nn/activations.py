@@ -89,9 +89,15 @@ def _quantize(x: torch.Tensor, recipe: str, fmt: FP8Format):
 
 
 def _dequantize(data, scale_inv, recipe: str, shape, dtype) -> torch.Tensor:
+    # float16: a value within 1/32 of its max can round up past it in FP8: clamped, not inf
+    via = torch.float32 if dtype == torch.float16 else dtype
     if recipe == "tensor":
-        return torch.ops.fp8ops.dequantize(data, scale_inv, dtype).reshape(shape)
-    return torch.ops.fp8ops.dequantize_blockwise(data, scale_inv, 1, BLOCK, dtype).reshape(shape)
+        x = torch.ops.fp8ops.dequantize(data, scale_inv, via)
+    else:
+        x = torch.ops.fp8ops.dequantize_blockwise(data, scale_inv, 1, BLOCK, via)
+    if via != dtype:
+        x = x.clamp_(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    return x.reshape(shape)
 
 
 def _autocast_state(device_type: str):
