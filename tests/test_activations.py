@@ -49,7 +49,7 @@ OP_NAMES = [name for name, *_ in covered_ops(torch.float32)]
 
 
 def _op(name, dtype):
-    name_, f, params, f2 = next(op for op in covered_ops(dtype) if op[0] == name)
+    _, f, params, f2 = next(op for op in covered_ops(dtype) if op[0] == name)
     if params is None:
         params = list(f.parameters())
     return f, params, f2
@@ -149,16 +149,23 @@ def test_gradient_within_the_e4m3_bound_of_the_exact_one(name, dtype):
     assert (got - exact).norm() <= (E4M3_REL + rounding) * exact.norm()
 
 
-def test_tensor_recipe_saves_one_scale():
-    x = _input(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_tensor_recipe_saves_one_scale(name, dtype):
+    f, params, _ = _op(name, dtype)
+    x = _input(dtype)
+    plain = f(x)
     with Saved() as saved, fp8ops.fp8_activations(recipe="tensor"):
-        out = F.gelu(x)
+        out = f(x)
+    assert torch.equal(_bits(out), _bits(plain))
     (data,) = saved.of_dtype(torch.float8_e4m3fn)
-    (scale_inv,) = saved.of_dtype(torch.float32)
-    assert data.shape == x.shape and scale_inv.numel() == 1
-    x_deq = (data.float() * scale_inv).bfloat16().requires_grad_()
+    (scale_inv,) = [t for t in saved.of_dtype(torch.float32) if t.numel() == 1]
+    assert data.shape == x.shape and torch.log2(scale_inv).frac() == 0
+    x_deq = (data.float() * scale_inv).to(dtype).requires_grad_()
     grad_out = torch.randn_like(out)
-    assert torch.equal(_grads(out, [x], grad_out)[0], _grads(F.gelu(x_deq), [x_deq], grad_out)[0])
+    expect = _grads(f(x_deq), [x_deq, *params], grad_out)
+    for g, e in zip(_grads(out, [x, *params], grad_out), expect):
+        assert torch.equal(_bits(g), _bits(e))
 
 
 def test_e5m2_format():
