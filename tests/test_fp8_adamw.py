@@ -352,3 +352,73 @@ def test_under_cpu_offload_the_host_state_is_fp8():
     dtypes = {t.dtype for s in opt.optimizer.state.values() for k, t in s.items()
               if k in ("m", "v")}
     assert dtypes == {torch.float8_e4m3fn}
+
+
+# -- FSDP2 (DTensor parameters), on gloo ---------------------------------------------------------
+def _fsdp_model():
+    torch.manual_seed(0)
+    # 512 x 256 weights: each of 2 ranks holds 256 whole rows, whole 128-value blocks
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 256))
+
+
+def _fsdp_train(model, opt, steps=3, poison_rank=None):
+    import torch.distributed as dist
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)  # the same batch on every rank
+        x, y = torch.randn(16, 256, generator=g), torch.randn(16, 256, generator=g)
+        x, y = (t.to(next(model.parameters()).dtype) for t in (x, y))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if poison_rank is not None and step == 1 and dist.get_rank() == poison_rank:
+            model[0].weight.grad.to_local()[0, 0] = float("nan")  # this rank's shard only
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _fsdp_worker(rank, out_dir):
+    from torch.distributed.fsdp import fully_shard
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _fsdp_model().to(dtype)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        opt = fp8ops.FP8AdamW(model.parameters(), lr=1e-2, min_fp8_numel=1024)
+        res[dtype] = {"losses": _fsdp_train(model, opt),
+                      "weights": [p.full_tensor() for p in model.parameters()],
+                      "m_dtype": opt.state[model[0].weight]["m"].dtype}
+    model = _fsdp_model()
+    fully_shard(model)
+    opt = fp8ops.FP8AdamW(model.parameters(), lr=1e-2, skip_nonfinite=True)
+    _fsdp_train(model, opt, poison_rank=1)
+    res["skipped"] = opt.skipped_steps
+    return res
+
+
+def test_under_fsdp2_trains_as_one_process():
+    from dist_spawn import spawn
+    results = spawn(_fsdp_worker, world=2)
+    model = _fsdp_model()
+    opt = fp8ops.FP8AdamW(model.parameters(), lr=1e-2, min_fp8_numel=1024)
+    losses = _fsdp_train(model, opt)
+    bf16 = _fsdp_model().bfloat16()
+    bf16_losses = _fsdp_train(bf16, fp8ops.FP8AdamW(bf16.parameters(), lr=1e-2,
+                                                    min_fp8_numel=1024))
+    for res in results:
+        got = res[torch.float32]
+        assert got["m_dtype"] == torch.float8_e4m3fn
+        # the same batch on both ranks: the averaged gradient is exact, the blocks are the
+        # single process's, so the run is bit for bit the same
+        assert got["losses"] == losses
+        for a, b in zip(got["weights"], model.parameters()):
+            assert torch.equal(a, b)
+        # bf16: each rank rounds its own shard with its own part of the stream (the element
+        # index is the shard's): not the single process's bytes, the same training
+        assert res[torch.bfloat16]["losses"][0] == bf16_losses[0]
+        for a, b in zip(res[torch.bfloat16]["losses"], bf16_losses):
+            assert abs(a - b) < 0.02 * b, (res[torch.bfloat16]["losses"], bf16_losses)
+        assert res["skipped"] == 1  # a NaN on one rank's shard skips the step on both

@@ -37,6 +37,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a reduction over the ranks), else t."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
 def _check_hyper(lr, betas, eps, weight_decay, second_moment, min_fp8_numel) -> None:
     if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
         raise ValueError(f"FP8AdamW: lr must be a float >= 0, got {lr!r}")
@@ -112,16 +118,19 @@ class FP8AdamW(Optimizer):
     def _grads_finite(self) -> bool:
         if self._total_norm is not None:
             return bool(torch.isfinite(self._total_norm))
-        grads = [_local(p.grad) for _, _, p in self._params_with_grad()]
-        return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, 2.0)))
+        grads = [p.grad for _, _, p in self._params_with_grad()]
+        if not grads:
+            return True
+        # DTensor gradients (FSDP2) give the norm over all ranks: every rank decides alike
+        return bool(torch.isfinite(_full(torch.nn.utils.get_total_norm(grads, 2.0))))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over this optimizer's gradients; the norm is kept for
         the next step's skip_nonfinite check."""
         params = [p for _, _, p in self._params_with_grad()]
-        self._total_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
-                                                          error_if_nonfinite, foreach)
+        self._total_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                                error_if_nonfinite, foreach))
         return self._total_norm
 
     @torch.no_grad()
