@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from . import backend, emulation, fused
+from . import backend, emulation, fused, grouped
 
 _lib = torch.library.Library("fp8ops", "DEF")
 _F32 = torch.float32
@@ -147,6 +147,9 @@ for _name in SCHEMAS:
             _lib.impl(_name, _without_grad(gemm_mx_cuda.gemm_mx), "CUDA")
         else:
             _lib.impl(_name, _emulated(_name), "CUDA")
+
+# the grouped GEMMs and casts of mixture-of-experts layers (grouped.py; emulation on every device)
+grouped.register(_lib, _without_grad)
 
 
 # ----------------------------------------------------------------------------------------------
