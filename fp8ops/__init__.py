@@ -17,6 +17,7 @@ from .formats import E4M3, E5M2, FP8Format
 from .monitoring import monitor, stats, unmonitor
 from .nn.fallback import Crossover
 from .nn.functional import linear
+from .nn.grouped import FP8GroupedLinear, grouped_linear
 from .nn.modules import (SHARDED_WEIGHT_HOOKS, FP8Conv1D, FP8Linear, convert_from_fp8,
                          convert_to_fp8, plain_state_dict)
 from .ops.backend import backend
@@ -69,5 +70,6 @@ __all__ = [
     "amax", "gemm", "linear", "DelayedScaling", "CurrentScaling", "MXFP8Scaling",
     "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
     "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
-    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", "Crossover", *_LAZY,
+    "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", "Crossover",
+    "grouped_linear", "FP8GroupedLinear", *_LAZY,
 ]

@@ -212,3 +212,202 @@ def test_opcheck(name, index):
     if not any(isinstance(a, torch.Tensor) and a.element_size() == 1 for a in args):
         tests.append("test_schema")  # (its checker has no float8 allclose on CPU: test_ops.py)
     torch.library.opcheck(getattr(_ops, name).default, args, test_utils=tests)
+
+
+# ----------------------------------------------------------------------------------------------
+# expert weight casts
+# ----------------------------------------------------------------------------------------------
+def test_expert_casts_are_the_dense_casts_per_expert():
+    from fp8ops.ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+    w = torch.randn(3, 136, 200) * torch.tensor([1e-3, 1.0, 1e3]).view(3, 1, 1)
+    w[1] = 0  # an all-zero expert: scale 1
+    data, data_t, scale, scale_inv = quantize_experts_current(w, E4, 1.0, False)
+    bd, bs, bd_t, bs_t = quantize_experts_blockwise(w, E4, True)
+    for g in range(3):
+        d, d_t, s, s_inv, _ = _ops.quantize_current(w[g], E4, 1.0, False, True)
+        for got, want in ((data[g], d), (data_t[g], d_t), (scale[g], s), (scale_inv[g], s_inv)):
+            _same(got, want)
+        r, rs = _ops.quantize_blockwise(w[g], E4, 128, 128, True)
+        _same(bd[g], r)
+        _same(bs[g], rs)
+        _same(bd_t[g], r.t().contiguous())
+        _same(bs_t[g], rs.t())
+    assert scale[1] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_linear and FP8GroupedLinear
+# ----------------------------------------------------------------------------------------------
+RECIPES = {"current": None, "current_p2": fp8ops.CurrentScaling(power_of_two=True, margin=2.0),
+           "blockwise": fp8ops.BlockwiseScaling()}
+
+
+def _problem(sizes, dtype, k=136, n=72, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E, M = len(sizes), sum(sizes)
+    x = torch.randn(M, k, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(E, n, k, generator=g) / k ** 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(E, n, generator=g)).to(dtype).requires_grad_() if bias else None
+    dy = torch.randn(M, n, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+def _loop_of_linear(x, w, b, dy, sizes, recipe):
+    """The reference: fp8ops.linear on each expert's tokens, every expert a layer of its own."""
+    xs = x.detach().clone().requires_grad_()
+    ws = [w[g].detach().clone().requires_grad_() for g in range(len(sizes))]
+    bs = [None if b is None else b[g].detach().clone().requires_grad_()
+          for g in range(len(sizes))]
+    ys = [fp8ops.linear(xs[lo:hi], ws[g], bs[g], recipe=recipe)
+          for g, (lo, hi) in enumerate(_bounds(sizes))]
+    y = torch.cat(ys)
+    y.backward(dy)
+    db = None if b is None else torch.stack([bb.grad for bb in bs])
+    return y, xs.grad, torch.stack([ww.grad for ww in ws]), db
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_linear_is_the_loop_of_fp8_linear_bit_for_bit(recipe, case, dtype):
+    sizes = SIZES[case]
+    x, w, _, dy = _problem(sizes, dtype)
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), recipe=RECIPES[recipe])
+    y.backward(dy)
+    ry, rdx, rdw, _ = _loop_of_linear(x, w, None, dy, sizes, RECIPES[recipe])
+    _same(y, ry)
+    _same(x.grad, rdx)
+    _same(w.grad, rdw)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_grouped_linear_with_bias(recipe):
+    sizes = SIZES["ragged"]
+    x, w, b, dy = _problem(sizes, torch.bfloat16, bias=True)
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), b, recipe=RECIPES[recipe])
+    y.backward(dy)
+    ry, rdx, rdw, rdb = _loop_of_linear(x, w, b, dy, sizes, RECIPES[recipe])
+    _same(y, ry)  # the bias is added in the GEMM's epilogue, as the dense layer's
+    _same(x.grad, rdx)
+    _same(w.grad, rdw)
+    # the bias gradient sums each expert's rows in float32 (in another order than the dense
+    # layer's column sums): equal up to that float32 rounding, then bf16's
+    torch.testing.assert_close(b.grad.float(), rdb.float(), rtol=1e-2, atol=1e-2)
+
+
+def _rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_grouped_linear_is_close_to_high_precision(recipe):
+    """Against the float32 reference, within FP8 error: E4M3 has 3 mantissa bits (relative
+    rounding error up to 2^-4 per element, far less on a sum of many), E5M2 gradients 2."""
+    sizes = [40, 0, 70, 150]
+    x, w, _, dy = _problem(sizes, torch.float32, k=256, n=128)
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), recipe=RECIPES[recipe])
+    y.backward(dy)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yr = torch.cat([xr[lo:hi] @ wr[g].t() for g, (lo, hi) in enumerate(_bounds(sizes))])
+    yr.backward(dy)
+    bound = {"current": 0.06, "current_p2": 0.06, "blockwise": 0.05}[recipe]
+    assert _rel_err(y, yr) < bound
+    assert _rel_err(x.grad, xr.grad) < 2 * bound
+    assert _rel_err(w.grad, wr.grad) < 2 * bound
+    assert not w.grad[1].any()  # the expert with no tokens
+
+
+def test_grouped_linear_rows_past_the_last_group():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    offsets = torch.tensor([3, 5], dtype=torch.int32)  # rows 5 and 6 belong to no expert
+    y = fp8ops.grouped_linear(x, w, offsets)
+    assert not y[5:].any()
+    y.sum().backward()
+    assert not x.grad[5:].any()
+
+
+def test_grouped_linear_checks_its_arguments():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    offsets = _offsets([3, 4])
+    with pytest.raises(ValueError, match="int32"):
+        fp8ops.grouped_linear(x, w, offsets.long())
+    with pytest.raises(ValueError, match="3-D"):
+        fp8ops.grouped_linear(x, w[0], offsets)
+    with pytest.raises(ValueError, match="in_features"):
+        fp8ops.grouped_linear(x[:, :10], w, offsets)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fp8ops.grouped_linear(x, w, torch.tensor([4, 3], dtype=torch.int32))
+    for recipe in (fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
+                   fp8ops.CurrentScaling(grad_rounding="stochastic")):
+        with pytest.raises(NotImplementedError):
+            fp8ops.grouped_linear(x, w, offsets, recipe=recipe)
+
+
+def test_grouped_linear_under_autocast():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8ops.grouped_linear(x, w, _offsets([3, 4]))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_grouped_linear_main_grad():
+    x, w, _, dy = _problem([3, 4], torch.bfloat16)
+    w.main_grad = torch.ones(w.shape)
+    fp8ops.grouped_linear(x, w, _offsets([3, 4])).backward(dy)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    fp8ops.grouped_linear(x2, w2, _offsets([3, 4])).backward(dy)
+    assert w.grad is None
+    torch.testing.assert_close(w.main_grad, 1 + w2.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_double_backward_is_an_error():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    y = fp8ops.grouped_linear(x, w, _offsets([3, 4]))
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_module_trains_like_the_functional_form(recipe):
+    torch.manual_seed(0)
+    layer = fp8ops.FP8GroupedLinear(4, 136, 72, bias=True, recipe=RECIPES[recipe])
+    assert layer.weight.shape == (4, 72, 136) and layer.bias.shape == (4, 72)
+    assert isinstance(layer, torch.nn.Module) and fp8ops.nn.FP8GroupedLinear is type(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    offsets = _offsets([10, 0, 7, 9])
+    x, target = torch.randn(26, 136), torch.randn(26, 72)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(layer(x, offsets), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    state = layer.state_dict()
+    assert set(state) == {"weight", "bias"}
+    again = fp8ops.FP8GroupedLinear(4, 136, 72, bias=True, recipe=RECIPES[recipe])
+    again.load_state_dict(state)
+    _same(again(x, offsets), layer(x, offsets))
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_torch_compile_fullgraph_matches_eager(recipe):
+    sizes = SIZES["ragged"]
+    x, w, _, dy = _problem(sizes, torch.bfloat16)
+    offsets = _offsets(sizes)
+
+    def step(x, w):
+        return fp8ops.grouped_linear(x, w, offsets, recipe=RECIPES[recipe])
+
+    y = step(x, w)
+    y.backward(dy)
+    xc, wc = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yc = torch.compile(step, backend="aot_eager", fullgraph=True)(xc, wc)
+    yc.backward(dy)
+    _same(yc, y)
+    _same(xc.grad, x.grad)
+    _same(wc.grad, w.grad)
