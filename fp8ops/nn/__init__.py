@@ -2,7 +2,8 @@
 kind), functional.py (fp8ops.linear), modules.py (FP8Linear, FP8Conv1D, convert_to_fp8),
 fallback.py (which calls run in high precision), grouped.py (fp8ops.grouped_linear and
 FP8GroupedLinear, the experts of mixture-of-experts layers) and cast_stats.py (one cast's
-statistics, for fp8ops.monitor). Built on fp8ops.scaling (the recipes, the state, the weight cache)."""
+statistics, for fp8ops.monitor). Built on fp8ops.scaling (the recipes, the state, the weight
+cache)."""
 from .fallback import Crossover
 from .functional import linear
 from .grouped import FP8GroupedLinear, grouped_linear
