@@ -169,3 +169,15 @@ def test_filter_fn_picks_experts_too():
     fp8ops.convert_to_fp8(model, fp8ops.BlockwiseScaling())  # again: takes the new recipe
     (experts,) = _experts(model)
     assert experts.fp8_recipe == fp8ops.BlockwiseScaling()
+
+
+def test_converted_experts_compile_with_no_graph_break():
+    torch._dynamo.reset()
+    model = _model("mixtral")
+    fp8ops.convert_to_fp8(model)
+    (experts,) = _experts(model)
+    g = torch.Generator().manual_seed(7)
+    x, index = torch.randn(10, 32, generator=g), torch.randint(0, 4, (10, 2), generator=g)
+    weights = torch.rand(10, 2, generator=g)
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, index, weights), experts(x, index, weights))

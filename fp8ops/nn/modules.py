@@ -331,7 +331,7 @@ def convert_to_fp8(module: nn.Module, recipe=None,
     itself too) by an FP8Linear (an FP8Conv1D for a Conv1D) that shares its parameters.
     filter_fn(layer, fully_qualified_name) -> bool picks which ones. The mixture-of-experts
     experts modules of transformers take an FP8 grouped forward, their parameters unchanged
-    (hf_moe.convert_experts; CurrentScaling and BlockwiseScaling only).
+    (hf_moe.convert_experts; CurrentScaling and BlockwiseScaling only); filter_fn sees them too.
 
     Converting again applies `recipe` (None: CurrentScaling()) to the FP8Linear layers filter_fn
     picks: a layer that has that recipe already keeps its FP8 state; any other takes the recipe
