@@ -414,3 +414,16 @@ def test_torch_compile_fullgraph_matches_eager(recipe, backend):
     _same(yc, y)
     _same(xc.grad, x.grad)
     _same(wc.grad, w.grad)
+
+
+@pytest.mark.parametrize("name", sorted(_op_samples()))
+def test_autocast_does_not_reach_the_kernels(name):
+    """Under torch.autocast a grouped op computes what it computes without it (the emulation's
+    float32 matmuls stay float32)."""
+    for args in _op_samples()[name]:
+        want = getattr(_ops, name)(*args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = getattr(_ops, name)(*args)
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            _same(g, w)
