@@ -18,6 +18,7 @@ from .monitoring import monitor, stats, unmonitor
 from .nn.activations import fp8_activations
 from .nn.fallback import Crossover
 from .nn.functional import linear
+from .nn.grouped import FP8GroupedLinear, grouped_linear
 from .nn.modules import (SHARDED_WEIGHT_HOOKS, FP8Conv1D, FP8Linear, convert_from_fp8,
                          convert_to_fp8, plain_state_dict)
 from .ops.backend import backend
@@ -72,5 +73,5 @@ __all__ = [
     "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
     "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
     "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", "Crossover", *_LAZY,
-    "FP8AdamW", "FP8Adam", "fp8_activations",
+    "FP8AdamW", "FP8Adam", "fp8_activations", "grouped_linear", "FP8GroupedLinear",
 ]

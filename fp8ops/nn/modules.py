@@ -15,6 +15,7 @@ from . import step
 from .autograd import is_gathered
 from .fallback import Fallback, check_fallback, runs_fp8
 from .functional import linear
+from .hf_moe import convert_experts, restore_experts
 from ..scaling import ScalingState, check_recipe
 
 logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 documents
@@ -328,7 +329,9 @@ def convert_to_fp8(module: nn.Module, recipe=None,
                    fp8_all_gather: bool = True, fallback: Fallback = "auto") -> nn.Module:
     """Replace every nn.Linear and every transformers Conv1D in `module` (in place; `module`
     itself too) by an FP8Linear (an FP8Conv1D for a Conv1D) that shares its parameters.
-    filter_fn(layer, fully_qualified_name) -> bool picks which ones.
+    filter_fn(layer, fully_qualified_name) -> bool picks which ones. The mixture-of-experts
+    experts modules of transformers take an FP8 grouped forward, their parameters unchanged
+    (hf_moe.convert_experts; CurrentScaling and BlockwiseScaling only); filter_fn sees them too.
 
     Converting again applies `recipe` (None: CurrentScaling()) to the FP8Linear layers filter_fn
     picks: a layer that has that recipe already keeps its FP8 state; any other takes the recipe
@@ -379,6 +382,7 @@ def convert_to_fp8(module: nn.Module, recipe=None,
                     setattr(mod, name, convert(child))
         if kinds and not isinstance(module.__dict__.get("extra_repr"), _Header):
             module.extra_repr = _Header(module)
+    kinds.update(convert_experts(module, recipe, filter_fn))  # transformers' MoE experts
     _log_conversion(module, recipe, kinds, rejected[0])
     return module
 
@@ -417,7 +421,8 @@ def _log_conversion(module: nn.Module, recipe, kinds: Counter, rejected: int) ->
 def convert_from_fp8(module: nn.Module) -> nn.Module:
     """Replace every FP8Linear in `module` (in place; `module` itself too) by an nn.Linear (an
     FP8Conv1D by a transformers Conv1D) sharing its weight and bias Parameters (so the same
-    device and dtype), for export and inference. The FP8 state is dropped."""
+    device and dtype), for export and inference. The FP8 state is dropped. Converted experts
+    modules take their own forward again."""
     def plain(mod: FP8Linear) -> nn.Module:
         if mod.fp8_state.host_weight is not None:
             raise ValueError("convert_from_fp8: this FP8Linear's weight is owned by a "
@@ -433,6 +438,7 @@ def convert_from_fp8(module: nn.Module) -> nn.Module:
 
     if isinstance(module, FP8Linear):
         return plain(module)
+    restore_experts(module)
     if isinstance(module.__dict__.get("extra_repr"), _Header):
         del module.extra_repr
     for mod in list(module.modules()):

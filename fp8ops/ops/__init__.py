@@ -4,7 +4,8 @@ The op layer's modules: emulation.py (every op in PyTorch, the bit-exact referen
 makes its random words, scratch.py keeps its reused buffers, cpu_kernels.py loads its C++ kernels
 fp8ops._cpu), fused.py (the training step's one-call casts as the ops they fuse), backend.py
 (which implementation runs where) and gemm_mx_cuda.py (the MX GEMM on GPUs without a kernel of
-ours for it).
+ours for it). The grouped ops of mixture-of-experts layers: grouped.py (schemas, fakes),
+emulation_grouped.py (their emulation) and expert_casts.py (an experts' weight cast per expert).
 
 CPU kernels come from `emulation`. CUDA kernels come from the C++ extension `fp8ops._C`
 (csrc/torch_bindings.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `backend.load_extension()`
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from . import backend, emulation, fused
+from . import backend, emulation, fused, grouped
 
 _lib = torch.library.Library("fp8ops", "DEF")
 _F32 = torch.float32
@@ -147,6 +148,9 @@ for _name in SCHEMAS:
             _lib.impl(_name, _without_grad(gemm_mx_cuda.gemm_mx), "CUDA")
         else:
             _lib.impl(_name, _emulated(_name), "CUDA")
+
+# the grouped GEMMs and casts of mixture-of-experts layers (grouped.py; emulation on every device)
+grouped.register(_lib, _without_grad)
 
 
 # ----------------------------------------------------------------------------------------------

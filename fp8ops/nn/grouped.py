@@ -1,0 +1,209 @@
+"""The FP8 grouped linear layer of mixture-of-experts models: fp8ops.grouped_linear and
+FP8GroupedLinear.
+
+Tokens come sorted by expert: x [M, in], expert g's rows offsets[g-1]:offsets[g] (int32, the
+cumulative end row of each group, as torch._grouped_mm takes them), weight [E, out, in]. Three
+grouped FP8 GEMMs, as fp8ops.linear's three dense ones, group by group:
+  forward  Y_g  = X_g W_g^T     grouped_gemm(X, W)
+  dgrad    dX_g = dY_g W_g      grouped_gemm(dY, W^T)     (the weight's transposed copy)
+  wgrad    dW_g = dY_g^T X_g    grouped_gemm_wgrad(dY^T, X^T)
+Current scaling scales each group of X and dY by its own amax and each expert's weight by its
+own: a scale per group is what a loop of fp8ops.linear over the experts uses, so the layer gives
+that loop's bytes. Not here yet: the weight cache (the weight is cast every call), delayed
+scaling, MXFP8, stochastic rounding and FSDP2.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+from ..scaling import BlockwiseScaling, CurrentScaling, check_recipe, grad_margin, recipe_formats
+from .autograd import first_order_only, output_dtype
+
+_ops = torch.ops.fp8ops
+_F32 = torch.float32
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _weight_grad(weight: torch.Tensor, wgrad) -> Optional[torch.Tensor]:
+    """dW from wgrad(out_dtype) in the parameter's dtype, or in float32 added to the weight's
+    main_grad when it has one (no .grad then), as fp8ops.linear does."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return wgrad(weight.dtype)
+    main_grad.add_(wgrad(_F32))
+    return None
+
+
+def _bias_grad(dy: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each expert's bias gradient: the sum of its rows of dY, in float32, in bias's dtype.
+    (Summed by index_add, so it agrees with the dense column sums to float32 rounding.)"""
+    rows = torch.arange(dy.shape[0], dtype=offsets.dtype, device=dy.device)
+    expert = torch.searchsorted(offsets, rows, right=True)  # E for rows past the last group
+    sums = dy.new_zeros((offsets.shape[0] + 1, dy.shape[1]), dtype=_F32)
+    return sums.index_add_(0, expert, dy.to(_F32))[:-1].to(bias.dtype)
+
+
+class GroupedLinearCurrent(torch.autograd.Function):
+    """Current scaling: one scale per group of X and dY, one per expert of W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype):
+        fwd, bwd = recipe_formats(recipe)
+        p2 = recipe.power_of_two
+        xq, xq_t, _, x_scale_inv = _ops.quantize_current_grouped(x, offsets, fwd.dtype,
+                                                                 recipe.margin, p2, True)
+        wq, wq_t, _, w_scale_inv = quantize_experts_current(weight.detach(), fwd.dtype,
+                                                            recipe.margin, p2)
+        y = _ops.grouped_gemm(xq, wq, offsets, x_scale_inv, w_scale_inv, bias, out_dtype)
+        ctx.save_for_backward(xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias)
+        ctx.meta = (bwd, grad_margin(recipe), p2, x.dtype)
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias = ctx.saved_tensors
+        bwd, margin, p2, x_dtype = ctx.meta
+        dy = dy.contiguous()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        gq, gq_t, _, g_scale_inv = _ops.quantize_current_grouped(dy, offsets, bwd.dtype, margin,
+                                                                 p2, need_dw)
+        dx = dw = db = None
+        if need_dx:
+            dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
+        if need_dw:
+            dw = _weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
+                gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
+        if need_db and bias is not None:
+            db = _bias_grad(dy, offsets, bias)
+        return dx, dw, db, None, None, None
+
+
+class GroupedLinearBlockwise(torch.autograd.Function):
+    """DeepSeek-V3 blocks: X and dY in 1x128 blocks (per group), W in 128x128 blocks."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype):
+        fwd, bwd = recipe_formats(recipe)
+        p2 = recipe.power_of_two
+        x_data, x_si, xt_data, xt_si = _ops.quantize_blockwise_grouped(x, offsets, fwd.dtype, p2)
+        w_data, w_si, wt_data, wt_si = quantize_experts_blockwise(weight.detach(), fwd.dtype, p2)
+        y = _ops.grouped_gemm_blockwise(x_data, w_data, offsets, x_si, w_si, bias, out_dtype)
+        ctx.save_for_backward(xt_data, xt_si, wt_data, wt_si, offsets, weight, bias)
+        ctx.meta = (bwd, p2, x.dtype)
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        xt_data, xt_si, wt_data, wt_si, offsets, weight, bias = ctx.saved_tensors
+        bwd, p2, x_dtype = ctx.meta
+        dy = dy.contiguous()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        g_data, g_si, gt_data, gt_si = _ops.quantize_blockwise_grouped(dy, offsets, bwd.dtype, p2)
+        dx = dw = db = None
+        if need_dx:
+            dx = _ops.grouped_gemm_blockwise(g_data, wt_data, offsets, g_si, wt_si, None, x_dtype)
+        if need_dw:
+            dw = _weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad_blockwise(
+                gt_data, xt_data, offsets, gt_si, xt_si, dtype))
+        if need_db and bias is not None:
+            db = _bias_grad(dy, offsets, bias)
+        return dx, dw, db, None, None, None
+
+
+def _check(x, weight, offsets, bias) -> None:
+    for name, t in (("input", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be 3-D [experts, out_features, in_features], got shape "
+                         f"{tuple(weight.shape)}")
+    if x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"input must be 2-D [tokens, in_features={weight.shape[2]}] sorted by "
+                         f"expert, got shape {tuple(x.shape)}")
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 \
+            or offsets.shape != (weight.shape[0],):
+        raise ValueError(f"offsets must be an int32 tensor of shape ({weight.shape[0]},) (each "
+                         f"expert's cumulative end row), got "
+                         f"{getattr(offsets, 'dtype', type(offsets).__name__)} "
+                         f"{tuple(getattr(offsets, 'shape', ()))}")
+    for name, t in (("weight", weight), ("offsets", offsets), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but input is on {x.device}")
+    if bias is not None and bias.shape != weight.shape[:2]:
+        raise ValueError(f"bias must have shape {tuple(weight.shape[:2])} [experts, "
+                         f"out_features], got {tuple(bias.shape)}")
+
+
+def _check_grouped_recipe(recipe):
+    recipe = check_recipe(recipe)
+    if isinstance(recipe, CurrentScaling):
+        if recipe.amax_percentile is not None or recipe.grad_rounding == "stochastic":
+            raise NotImplementedError("grouped_linear takes CurrentScaling without "
+                                      "amax_percentile and with round-to-nearest gradients")
+        return recipe
+    if isinstance(recipe, BlockwiseScaling):
+        return recipe
+    raise NotImplementedError(f"grouped_linear supports CurrentScaling and BlockwiseScaling, "
+                              f"not {type(recipe).__name__} yet")
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, *, recipe=None) -> torch.Tensor:
+    """y_g = x_g @ weight[g].T (+ bias[g]) for each expert g, with FP8 GEMMs in forward and
+    backward. x [M, in] sorted by expert, weight [E, out, in], offsets int32 [E] (expert g's
+    rows end at offsets[g]; rows past offsets[-1] give zero rows), bias [E, out] or None.
+    Returns [M, out] in x's dtype (under torch.autocast, the autocast dtype); the gradients come
+    in x's and the weight's dtypes. recipe: None (current scaling, a scale per expert) or
+    fp8ops.CurrentScaling / fp8ops.BlockwiseScaling."""
+    _check(x, weight, offsets, bias)
+    recipe = _check_grouped_recipe(recipe)
+    function = (GroupedLinearBlockwise if isinstance(recipe, BlockwiseScaling)
+                else GroupedLinearCurrent)
+    out_dtype = output_dtype(x)
+    if out_dtype == x.dtype:
+        return function.apply(x, weight, bias, offsets, recipe, out_dtype)
+    with torch.autocast(x.device.type, enabled=False):  # the output's dtype is decided
+        return function.apply(x, weight, bias, offsets, recipe, out_dtype)
+
+
+class FP8GroupedLinear(nn.Module):
+    """E linear layers of the same shape (the experts of a mixture-of-experts layer) applied to
+    tokens sorted by expert, with FP8 GEMMs: forward(x [M, in], offsets int32 [E]) -> [M, out].
+    weight [E, out, in] (and bias [E, out] when bias=True), each expert initialized as
+    nn.Linear initializes its weight."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 recipe=None, *, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.in_features = num_experts, in_features
+        self.out_features = out_features
+        self.recipe = _check_grouped_recipe(recipe)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
+        self.bias = (nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias
+                     else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for g in range(self.num_experts):  # each expert as nn.Linear would be
+            nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(x, self.weight, offsets, self.bias, recipe=self.recipe)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={type(self.recipe).__name__}")

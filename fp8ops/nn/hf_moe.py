@@ -1,0 +1,114 @@
+"""The mixture-of-experts layers of Hugging Face transformers in FP8.
+
+transformers keeps a MoE layer's experts in one module (MixtralExperts, Qwen2MoeExperts,
+Qwen3MoeExperts, DeepseekV3Experts, GptOssExperts, ...) holding 3-D parameters: `gate_up_proj`
+[E, 2 * inter, hidden] (or `up_proj` without gating) and `down_proj` [E, hidden, inter], stored
+[E, in, out] instead where the module says `is_transposed`, with biases `*_proj_bias` [E, out]
+where it says `has_bias`. Its forward takes (hidden_states [T, hidden], top_k_index [T, k],
+top_k_weights [T, k]).
+
+convert_experts gives such a module a forward of its own (an instance attribute over the class's)
+that sorts the token-expert pairs by expert and runs both projections through
+fp8ops.grouped_linear; the parameters stay where they are, under their names, so
+save_pretrained / from_pretrained and state_dict are untouched. The gating between the
+projections is the module's own (`_apply_gate`, or `act_fn` without gating).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..scaling import BlockwiseScaling, CurrentScaling
+from .grouped import grouped_linear
+
+logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
+
+
+def is_hf_experts(mod: nn.Module) -> bool:
+    """A transformers experts module (its class decorated by use_experts_implementation)."""
+    up = getattr(mod, "gate_up_proj", None)
+    if up is None:
+        up = getattr(mod, "up_proj", None)
+    down = getattr(mod, "down_proj", None)
+    return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)
+            and up.dim() == 3 and down.dim() == 3 and hasattr(mod, "is_transposed")
+            and hasattr(mod, "num_experts"))
+
+
+def grouped_recipe(recipe) -> bool:
+    """Whether fp8ops.grouped_linear takes this recipe."""
+    if isinstance(recipe, BlockwiseScaling):
+        return True
+    return (isinstance(recipe, CurrentScaling) and recipe.amax_percentile is None
+            and recipe.grad_rounding != "stochastic")
+
+
+def convert_experts(module: nn.Module, recipe,
+                    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Counter:
+    """Give every transformers experts module in `module` (itself included) filter_fn picks an
+    FP8 forward with `recipe` (a converted one takes the new recipe). A recipe the grouped layer
+    does not take (DelayedScaling, MXFP8Scaling, stochastic rounding, a percentile amax) leaves
+    them in high precision, with a warning. Returns the count converted, by class name."""
+    picked = [(fqn, mod) for fqn, mod in module.named_modules()
+              if is_hf_experts(mod) and (filter_fn is None or filter_fn(mod, fqn))]
+    kinds: Counter = Counter()
+    if not picked:
+        return kinds
+    if not grouped_recipe(recipe):
+        logger.warning("fp8ops: convert_to_fp8 leaves %d mixture-of-experts module(s) in high "
+                       "precision: their FP8 grouped layer takes CurrentScaling or "
+                       "BlockwiseScaling, not %r", len(picked), recipe)
+        return kinds
+    for _, mod in picked:
+        if getattr(mod, "_is_expert_parallel", False):
+            raise NotImplementedError("convert_to_fp8: expert-parallel experts modules are not "
+                                      "supported by the FP8 grouped layer yet")
+        mod.fp8_recipe = recipe
+        mod.forward = functools.partial(fp8_experts_forward, mod)
+        kinds[type(mod).__name__] += 1
+    return kinds
+
+
+def restore_experts(module: nn.Module) -> None:
+    """Undo convert_experts: the experts modules take their class's forward again."""
+    for mod in module.modules():
+        if "fp8_recipe" in mod.__dict__:
+            del mod.fp8_recipe
+            mod.__dict__.pop("forward", None)
+
+
+def _weight(mod: nn.Module, name: str) -> torch.Tensor:
+    w = getattr(mod, name)
+    return w.transpose(1, 2) if mod.is_transposed else w  # [E, out, in]
+
+
+def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward with FP8 grouped GEMMs: each token's k (token, expert) pairs sorted
+    by expert, the up (and gate) projection, the gating, the down projection, the routing
+    weights, and each token's k results summed."""
+    tokens, k = top_k_index.shape
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)  # the pairs sorted by expert
+    counts = torch.zeros(mod.num_experts, dtype=torch.int64, device=experts.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = hidden_states[order // k]
+    gated = getattr(mod, "has_gate", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    bias = getattr(mod, "has_bias", False)
+    h = grouped_linear(x, _weight(mod, up_name), offsets,
+                       getattr(mod, up_name + "_bias") if bias else None, recipe=mod.fp8_recipe)
+    h = mod._apply_gate(h) if gated else mod.act_fn(h)
+    out = grouped_linear(h, _weight(mod, "down_proj"), offsets,
+                         mod.down_proj_bias if bias else None, recipe=mod.fp8_recipe)
+    if getattr(mod, "has_post_expert_norm", False):
+        out = mod.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
+    return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

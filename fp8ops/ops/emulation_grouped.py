@@ -1,0 +1,189 @@
+"""The grouped ops of mixture-of-experts layers in PyTorch: the bit-exact reference.
+
+Tokens come sorted by expert (the contiguous layout): group g holds rows offsets[g-1]:offsets[g]
+of the input (offsets[-1] = 0), as torch._grouped_mm takes them; rows from offsets[E-1] to M
+belong to no group (their output rows are zeros). Each op is a loop over the groups calling the
+dense op of emulation.py (or, for the casts, the dense cast op) on that group's rows, so every
+group's bytes are those of the dense op on the group alone, empty groups included (zero rows,
+a zero weight gradient). The loop reads the offsets on the host.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import emulation
+
+_ops = torch.ops.fp8ops
+_F32 = torch.float32
+BLOCK = 128  # the 1x128 / 128x128 blocks of the blockwise recipe
+
+
+def check_offsets_meta(op: str, offsets: torch.Tensor, groups: Optional[int] = None) -> None:
+    """The checks of offsets that need no values (fake implementations run them too)."""
+    if offsets.dtype != torch.int32:
+        raise ValueError(f"fp8ops: {op}: offsets must be int32 (cumulative end row of each "
+                         f"group), got {offsets.dtype}")
+    if offsets.dim() != 1:
+        raise ValueError(f"fp8ops: {op}: offsets must be 1-D [groups], got shape "
+                         f"{tuple(offsets.shape)}")
+    if groups is not None and offsets.shape[0] != groups:
+        raise ValueError(f"fp8ops: {op}: offsets has {offsets.shape[0]} groups but the weight "
+                         f"has {groups} experts")
+
+
+def group_bounds(op: str, offsets: torch.Tensor, rows: int,
+                 groups: Optional[int] = None) -> List[Tuple[int, int]]:
+    """[(start, end)] of each group's rows, offsets checked: int32, 1-D, non-negative,
+    non-decreasing, the last at most `rows`."""
+    check_offsets_meta(op, offsets, groups)
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    for g, (lo, hi) in enumerate(zip(starts, ends)):
+        if hi < 0:
+            raise ValueError(f"fp8ops: {op}: offsets must be non-negative, got offsets[{g}] = "
+                             f"{hi}")
+        if hi < lo:
+            raise ValueError(f"fp8ops: {op}: offsets must be non-decreasing, got offsets[{g}] = "
+                             f"{hi} after {lo}")
+    if ends and ends[-1] > rows:
+        raise ValueError(f"fp8ops: {op}: the last offset ({ends[-1]}) exceeds the {rows} rows "
+                         f"of the input")
+    return list(zip(starts, ends))
+
+
+def block_starts(bounds: List[Tuple[int, int]]) -> List[int]:
+    """Where each group's 128-row blocks start in a transposed blockwise copy: the groups' blocks
+    packed one after another (a group of m rows has ceil(m / 128))."""
+    starts, at = [], 0
+    for lo, hi in bounds:
+        starts.append(at)
+        at += -(-(hi - lo) // BLOCK)
+    return starts
+
+
+def packed_blocks(rows: int, groups: int) -> int:
+    """The column count of a transposed blockwise copy's scales: enough for any offsets
+    (sum of ceil(m_g / 128) <= rows // 128 + groups); columns past the last group's are 1.0."""
+    return rows // BLOCK + groups
+
+
+def _rows_out(a: torch.Tensor, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    # zeros: rows past the last group are defined (torch._grouped_mm leaves them unwritten)
+    return torch.zeros(a.shape[0], n, dtype=out_dtype, device=a.device)
+
+
+def _check_scales(op: str, scale: torch.Tensor, shapes, what: str) -> None:
+    if tuple(scale.shape) not in [tuple(s) for s in shapes]:
+        raise ValueError(f"fp8ops: {op}: {what} must have shape "
+                         f"{' or '.join(str(tuple(s)) for s in shapes)}, got {tuple(scale.shape)}")
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                 a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """Y_g = (a_g @ b[g]^T) * scales (+ bias[g]) for a [M, K], b [E, N, K]: emulation.gemm per
+    group. a_scale_inv: [E] (one per group) or [M, 1] (one per row); b_scale_inv: [E] (one per
+    expert) or [E, N] (one per output column)."""
+    M, E, N = a.shape[0], b.shape[0], b.shape[1]
+    _check_scales("grouped_gemm", a_scale_inv, [(E,), (M, 1)], "a_scale_inv")
+    _check_scales("grouped_gemm", b_scale_inv, [(E,), (E, N)], "b_scale_inv")
+    out = _rows_out(a, N, out_dtype)
+    for g, (lo, hi) in enumerate(group_bounds("grouped_gemm", offsets, M, E)):
+        sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[lo:hi]
+        sb = b_scale_inv[g] if b_scale_inv.dim() == 1 else b_scale_inv[g].unsqueeze(0)
+        out[lo:hi] = emulation.gemm(a[lo:hi], b[g], sa, sb, None if bias is None else bias[g],
+                                    out_dtype)
+    return out
+
+
+def grouped_gemm_blockwise(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                           a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                           bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """grouped_gemm with block scales: a [M, K] in 1x128 blocks (a_scale_inv [M, Kb]), b
+    [E, N, K] in 128x128 blocks ([E, Nb, Kb]) or 1x128 ones ([E, N, Kb]):
+    emulation.gemm_blockwise per group."""
+    M, E, N = a.shape[0], b.shape[0], b.shape[1]
+    out = _rows_out(a, N, out_dtype)
+    for g, (lo, hi) in enumerate(group_bounds("grouped_gemm_blockwise", offsets, M, E)):
+        out[lo:hi] = emulation.gemm_blockwise(a[lo:hi], b[g], a_scale_inv[lo:hi], b_scale_inv[g],
+                                              None if bias is None else bias[g], out_dtype)
+    return out
+
+
+def grouped_gemm_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                       a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """dW_g = dY_g^T X_g, grouped along M: a = dY^T [N, M], b = X^T [K, M] (K-major, as the
+    dense wgrad takes them), per-group scales [E] each; out [E, N, K]."""
+    check_offsets_meta("grouped_gemm_wgrad", offsets)
+    E, M = offsets.shape[0], a.shape[1]
+    _check_scales("grouped_gemm_wgrad", a_scale_inv, [(E,)], "a_scale_inv")
+    _check_scales("grouped_gemm_wgrad", b_scale_inv, [(E,)], "b_scale_inv")
+    out = torch.empty(E, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    for g, (lo, hi) in enumerate(group_bounds("grouped_gemm_wgrad", offsets, M)):
+        # contiguous like the dense wgrad's operands: the same matmul, the same bytes
+        out[g] = emulation.gemm(a[:, lo:hi].contiguous(), b[:, lo:hi].contiguous(),
+                                a_scale_inv[g], b_scale_inv[g], None, out_dtype)
+    return out
+
+
+def grouped_gemm_wgrad_blockwise(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                                 a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                                 out_dtype: torch.dtype) -> torch.Tensor:
+    """grouped_gemm_wgrad with 1x128 blocks along M that start at each group's first row: the
+    scales [N, packed] and [K, packed] hold each group's blocks one after another
+    (quantize_blockwise_grouped's transposed copy)."""
+    check_offsets_meta("grouped_gemm_wgrad_blockwise", offsets)
+    E, M = offsets.shape[0], a.shape[1]
+    out = torch.empty(E, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    bounds = group_bounds("grouped_gemm_wgrad_blockwise", offsets, M)
+    for g, ((lo, hi), s) in enumerate(zip(bounds, block_starts(bounds))):
+        nb = -(-(hi - lo) // BLOCK)
+        out[g] = emulation.gemm_blockwise(
+            a[:, lo:hi].contiguous(), b[:, lo:hi].contiguous(), a_scale_inv[:, s:s + nb],
+            b_scale_inv[:, s:s + nb], None, out_dtype)
+    return out
+
+
+def quantize_current_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
+                             margin: float, power_of_two: bool, transpose: bool = False):
+    """Current scaling per group: each group's rows cast with their own amax (the op
+    quantize_current on the group). (data [M, K], data^T [K, M] or empty, scale [E],
+    scale_inv [E]); rows past the last group are zero bytes. An empty group has scale 1."""
+    M, K = x.shape
+    bounds = group_bounds("quantize_current_grouped", offsets, M)
+    data = torch.zeros(M, K, dtype=dtype, device=x.device)
+    data_t = torch.zeros((K, M) if transpose else (0,), dtype=dtype, device=x.device)
+    scale = torch.ones(len(bounds), dtype=_F32, device=x.device)
+    scale_inv = torch.ones(len(bounds), dtype=_F32, device=x.device)
+    for g, (lo, hi) in enumerate(bounds):
+        d, d_t, s, s_inv, _ = _ops.quantize_current(x[lo:hi], dtype, margin, power_of_two,
+                                                    transpose)
+        data[lo:hi], scale[g], scale_inv[g] = d, s, s_inv
+        if transpose:
+            data_t[:, lo:hi] = d_t
+    return data, data_t, scale, scale_inv
+
+
+def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
+                               power_of_two: bool):
+    """The blockwise casts per group (the op quantize_blockwise_pair on the group): x [M, K] in
+    1x128 blocks along K (data [M, K], scale_inv [M, Kb]) and x^T [K, M] in 1x128 blocks along M
+    that start at each group's first row (data_t [K, M], scale_inv_t [K, packed_blocks], the
+    groups' blocks packed one after another, unused columns 1.0)."""
+    M, K = x.shape
+    bounds = group_bounds("quantize_blockwise_grouped", offsets, M)
+    kb = -(-K // BLOCK)
+    data = torch.zeros(M, K, dtype=dtype, device=x.device)
+    scale_inv = torch.ones(M, kb, dtype=_F32, device=x.device)
+    data_t = torch.zeros(K, M, dtype=dtype, device=x.device)
+    scale_inv_t = torch.ones(K, packed_blocks(M, len(bounds)), dtype=_F32, device=x.device)
+    for (lo, hi), s in zip(bounds, block_starts(bounds)):
+        if hi == lo:
+            continue
+        d, si, d_t, si_t, _ = _ops.quantize_blockwise_pair(x[lo:hi], dtype, power_of_two)
+        data[lo:hi], scale_inv[lo:hi], data_t[:, lo:hi] = d, si, d_t
+        scale_inv_t[:, s:s + si_t.shape[1]] = si_t
+    return data, scale_inv, data_t, scale_inv_t

@@ -1,0 +1,50 @@
+"""The casts of a mixture-of-experts weight [E, out, in]: each expert cast on its own, by the
+dense cast ops, so that expert g's bytes are those a dense layer with weight W[g] casts. With the
+row-wise copy [E, out, in] (forward) comes the transposed one [E, in, out] (dgrad's operand).
+The loop is over the experts (a count fixed by the weight's shape), not over data."""
+from __future__ import annotations
+
+import torch
+
+_ops = torch.ops.fp8ops
+
+
+def quantize_experts_current(w: torch.Tensor, dtype: torch.dtype, margin: float,
+                             power_of_two: bool):
+    """Current scaling, one scale per expert: (data [E, N, K], data^T [E, K, N], scale [E],
+    scale_inv [E])."""
+    _need_3d(w)
+    casts = [_ops.quantize_current(w[g], dtype, margin, power_of_two, True)
+             for g in range(w.shape[0])]
+    if not casts:
+        return _empty_experts(w, dtype, (0,))
+    return (torch.stack([c[0] for c in casts]), torch.stack([c[1] for c in casts]),
+            torch.stack([c[2] for c in casts]), torch.stack([c[3] for c in casts]))
+
+
+def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two: bool):
+    """128x128 blocks per expert: (data [E, N, K], scale_inv [E, Nb, Kb], data^T [E, K, N],
+    scale_inv^T [E, Kb, Nb], the transposed copy's blocks being the same blocks)."""
+    _need_3d(w)
+    casts = [_ops.quantize_blockwise(w[g], dtype, 128, 128, power_of_two)
+             for g in range(w.shape[0])]
+    if not casts:
+        data, data_t, scale_inv, _ = _empty_experts(w, dtype, (0, 0, 0))
+        return data, scale_inv, data_t, scale_inv
+    data = torch.stack([c[0] for c in casts])
+    scale_inv = torch.stack([c[1] for c in casts])
+    data_t = torch.stack([_ops.transpose_fp8(c[0]) for c in casts])
+    return data, scale_inv, data_t, scale_inv.transpose(1, 2)
+
+
+def _need_3d(w: torch.Tensor) -> None:
+    if w.dim() != 3:
+        raise ValueError(f"fp8ops: an experts' weight must be 3-D [experts, out, in], got shape "
+                         f"{tuple(w.shape)}")
+
+
+def _empty_experts(w: torch.Tensor, dtype: torch.dtype, scale_shape):
+    _, n, k = w.shape
+    f32 = torch.float32
+    return (w.new_empty((0, n, k), dtype=dtype), w.new_empty((0, k, n), dtype=dtype),
+            w.new_empty(scale_shape, dtype=f32), w.new_empty(scale_shape, dtype=f32))

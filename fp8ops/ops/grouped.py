@@ -1,0 +1,92 @@
+"""The grouped ops of mixture-of-experts layers: schemas, fake implementations, registration.
+
+Tokens sorted by expert, `offsets` int32 [E] the cumulative end row of each group (the convention
+of torch._grouped_mm); emulation_grouped.py is their meaning (a loop over the groups of the dense
+ops). There is no CUDA kernel for them yet: the emulation serves CUDA tensors too.
+
+  grouped_gemm            Y_g = X_g W_g^T, a [M, K], b [E, N, K]; scales per group [E] or per
+                          row [M, 1] for a, per expert [E] or per output column [E, N] for b
+  grouped_gemm_blockwise  the same with 1x128 (a) and 128x128 or 1x128 (b) block scales
+  grouped_gemm_wgrad      dW_g = dY_g^T X_g from dY^T [N, M] and X^T [K, M]: [E, N, K]
+  grouped_gemm_wgrad_blockwise   the same with 1x128 blocks along M, packed per group
+  quantize_current_grouped       per-group current scaling (and the transposed copy)
+  quantize_blockwise_grouped     per-group 1x128 casts of x and of x^T
+dgrad (dX_g = dY_g W_g) is grouped_gemm with the weight's transposed copy [E, K, N] as b.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import emulation_grouped
+from .emulation_grouped import check_offsets_meta, packed_blocks
+
+SCHEMAS = {
+    "grouped_gemm": "(Tensor a, Tensor b, Tensor offsets, Tensor a_scale_inv, "
+                    "Tensor b_scale_inv, Tensor? bias, ScalarType out_dtype) -> Tensor",
+    "grouped_gemm_blockwise": "(Tensor a, Tensor b, Tensor offsets, Tensor a_scale_inv, "
+                              "Tensor b_scale_inv, Tensor? bias, ScalarType out_dtype) -> Tensor",
+    "grouped_gemm_wgrad": "(Tensor a, Tensor b, Tensor offsets, Tensor a_scale_inv, "
+                          "Tensor b_scale_inv, ScalarType out_dtype) -> Tensor",
+    "grouped_gemm_wgrad_blockwise": "(Tensor a, Tensor b, Tensor offsets, Tensor a_scale_inv, "
+                                    "Tensor b_scale_inv, ScalarType out_dtype) -> Tensor",
+    "quantize_current_grouped": "(Tensor x, Tensor offsets, ScalarType dtype, float margin, "
+                                "bool power_of_two, bool transpose=False) "
+                                "-> (Tensor, Tensor, Tensor, Tensor)",
+    "quantize_blockwise_grouped": "(Tensor x, Tensor offsets, ScalarType dtype, "
+                                  "bool power_of_two) -> (Tensor, Tensor, Tensor, Tensor)",
+}
+
+
+def register(lib: torch.library.Library, kernel) -> None:
+    """Define the grouped ops in `lib` with kernel(fn) (the no-grad wrapper of the other ops)
+    around their emulation, for CPU and, where no C++ kernel is registered, CUDA."""
+    for name, schema in SCHEMAS.items():
+        lib.define(name + schema)
+        impl = kernel(getattr(emulation_grouped, name))
+        lib.impl(name, impl, "CPU")
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{name}", "CUDA"):
+            lib.impl(name, impl, "CUDA")
+        lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    for name, fake in _FAKES.items():
+        torch.library.register_fake(f"fp8ops::{name}", fake, lib=lib)
+
+
+# ----------------------------------------------------------------------------------------------
+# fake (meta) implementations: shapes and dtypes only (offsets' values are never read)
+# ----------------------------------------------------------------------------------------------
+def _gemm(a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dtype):
+    check_offsets_meta("grouped_gemm", offsets, b.shape[0])
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _wgrad(a, b, offsets, a_scale_inv, b_scale_inv, out_dtype):
+    check_offsets_meta("grouped_gemm_wgrad", offsets)
+    return a.new_empty((offsets.shape[0], a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def _quantize_current(x, offsets, dtype, margin, power_of_two, transpose=False):
+    check_offsets_meta("quantize_current_grouped", offsets)
+    m, k = x.shape
+    e = offsets.shape[0]
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((k, m) if transpose else (0,),
+                                                           dtype=dtype),
+            x.new_empty((e,), dtype=torch.float32), x.new_empty((e,), dtype=torch.float32))
+
+
+def _quantize_blockwise(x, offsets, dtype, power_of_two):
+    check_offsets_meta("quantize_blockwise_grouped", offsets)
+    m, k = x.shape
+    f32 = torch.float32
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, -(-k // 128)), dtype=f32),
+            x.new_empty((k, m), dtype=dtype),
+            x.new_empty((k, packed_blocks(m, offsets.shape[0])), dtype=f32))
+
+
+_FAKES = {
+    "grouped_gemm": _gemm,
+    "grouped_gemm_blockwise": _gemm,
+    "grouped_gemm_wgrad": _wgrad,
+    "grouped_gemm_wgrad_blockwise": _wgrad,
+    "quantize_current_grouped": _quantize_current,
+    "quantize_blockwise_grouped": _quantize_blockwise,
+}

@@ -1,0 +1,429 @@
+"""Grouped (mixture-of-experts) FP8 ops and layers: the emulation is the per-expert loop of the
+dense ops bit for bit, offsets are checked, every op passes opcheck, and fp8ops.grouped_linear /
+FP8GroupedLinear train like a loop of fp8ops.linear over the experts."""
+import pytest
+import torch
+
+import fp8ops
+
+_ops = torch.ops.fp8ops
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# group sizes: ragged, empty groups (first, middle, last), one group, every token in one expert,
+# groups past 128 rows (several 1x128 blocks along M), and rows after the last group
+SIZES = {
+    "ragged": [5, 0, 17, 3],
+    "empty_ends": [0, 9, 0, 0, 6, 0],
+    "single": [12],
+    "one_expert": [0, 0, 21, 0],
+    "long": [130, 1, 140],
+}
+
+
+def _offsets(sizes):
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(_bytes(a), _bytes(b))
+
+
+def _fp8(shape, dtype=E4, scale=8.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).clamp(-448, 448).to(dtype)
+
+
+def _bounds(sizes):
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+# ----------------------------------------------------------------------------------------------
+# the ops against the dense ops, group by group
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_grouped_gemm_is_the_dense_gemm_per_group(case, rowwise):
+    sizes = SIZES[case]
+    E, K, N = len(sizes), 48, 24
+    M = sum(sizes) + 2  # two rows that belong to no group: zeros
+    a, b = _fp8((M, K)), _fp8((E, N, K), seed=1)
+    sa = torch.rand(M, 1) + 0.1 if rowwise else torch.rand(E) + 0.1
+    sb = torch.rand(E, N) + 0.1 if rowwise else torch.rand(E) + 0.1
+    bias = torch.randn(E, N)
+    y = _ops.grouped_gemm(a, b, _offsets(sizes), sa, sb, bias, torch.bfloat16)
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        ref = _ops.gemm(a[lo:hi], b[g], sa[lo:hi] if rowwise else sa[g],
+                        sb[g][None] if rowwise else sb[g], bias[g], torch.bfloat16)
+        _same(y[lo:hi], ref)
+    assert torch.equal(y[sum(sizes):], torch.zeros(2, N, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_grouped_gemm_blockwise_is_the_dense_gemm_per_group(case):
+    sizes = SIZES[case]
+    E, K, N = len(sizes), 200, 136
+    M = sum(sizes) + 1
+    a, b = _fp8((M, K)), _fp8((E, N, K), seed=1)
+    sa = torch.rand(M, 2) + 0.1
+    sb = torch.rand(E, 2, 2) + 0.1
+    y = _ops.grouped_gemm_blockwise(a, b, _offsets(sizes), sa, sb, None, torch.float32)
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        _same(y[lo:hi], _ops.gemm_blockwise(a[lo:hi], b[g], sa[lo:hi], sb[g], None,
+                                            torch.float32))
+    assert not y[sum(sizes):].any()
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_grouped_wgrad_is_the_dense_gemm_per_group(case):
+    sizes = SIZES[case]
+    E, K, N = len(sizes), 40, 24
+    M = sum(sizes)
+    dy_t, x_t = _fp8((N, M), E5), _fp8((K, M), seed=1)
+    sa, sb = torch.rand(E) + 0.1, torch.rand(E) + 0.1
+    dw = _ops.grouped_gemm_wgrad(dy_t, x_t, _offsets(sizes), sa, sb, torch.bfloat16)
+    assert dw.shape == (E, N, K)
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        ref = _ops.gemm(dy_t[:, lo:hi].contiguous(), x_t[:, lo:hi].contiguous(), sa[g], sb[g],
+                        None, torch.bfloat16)
+        _same(dw[g], ref)
+        if hi == lo:
+            assert not dw[g].any()  # an expert with no tokens has a zero gradient
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_grouped_casts_are_the_dense_casts_per_group(case, power_of_two):
+    sizes = SIZES[case]
+    M, K = sum(sizes), 200
+    x = torch.randn(M, K) * torch.logspace(-3, 3, M).unsqueeze(1)  # groups of different ranges
+    offsets = _offsets(sizes)
+    data, data_t, scale, scale_inv = _ops.quantize_current_grouped(x, offsets, E4, 1.5,
+                                                                   power_of_two, True)
+    bd, bs, bd_t, bs_t = _ops.quantize_blockwise_grouped(x, offsets, E5, power_of_two)
+    block = 0
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        d, d_t, s, s_inv, _ = _ops.quantize_current(x[lo:hi], E4, 1.5, power_of_two, True)
+        _same(data[lo:hi], d)
+        _same(data_t[:, lo:hi], d_t)
+        _same(scale[g], s)
+        _same(scale_inv[g], s_inv)
+        r, rs, c, cs, _ = _ops.quantize_blockwise_pair(x[lo:hi], E5, power_of_two)
+        _same(bd[lo:hi], r)
+        _same(bs[lo:hi], rs)
+        _same(bd_t[:, lo:hi], c)
+        _same(bs_t[:, block:block + cs.shape[1]], cs)
+        block += cs.shape[1]
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_grouped_blockwise_wgrad_reads_the_packed_blocks(case):
+    """dW_g from the grouped blockwise casts of dY and X equals the dense blockwise wgrad of
+    the group's own casts."""
+    sizes = SIZES[case]
+    M, K, N = sum(sizes), 136, 72
+    x, dy = torch.randn(M, K), torch.randn(M, N)
+    offsets = _offsets(sizes)
+    _, _, x_t, x_st = _ops.quantize_blockwise_grouped(x, offsets, E4, False)
+    _, _, g_t, g_st = _ops.quantize_blockwise_grouped(dy, offsets, E4, False)
+    dw = _ops.grouped_gemm_wgrad_blockwise(g_t, x_t, offsets, g_st, x_st, torch.float32)
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        _, _, xc, xcs, _ = _ops.quantize_blockwise_pair(x[lo:hi], E4, False)
+        _, _, gc, gcs, _ = _ops.quantize_blockwise_pair(dy[lo:hi], E4, False)
+        _same(dw[g], _ops.gemm_blockwise(gc, xc, gcs, xcs, None, torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# offsets
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("offsets, match", [
+    (torch.tensor([2, 5], dtype=torch.int64), "int32"),
+    (torch.tensor([[2, 5]], dtype=torch.int32), "1-D"),
+    (torch.tensor([5, 2], dtype=torch.int32), "non-decreasing"),
+    (torch.tensor([-1, 2], dtype=torch.int32), "non-negative"),
+    (torch.tensor([2, 9], dtype=torch.int32), "exceeds the 6 rows"),
+    (torch.tensor([2, 3, 5], dtype=torch.int32), "3 groups but the weight has 2"),
+])
+def test_bad_offsets_are_clear_errors(offsets, match):
+    a, b, x = _fp8((6, 32)), _fp8((2, 8, 32)), torch.randn(6, 32)
+    s = torch.ones(2)
+    with pytest.raises(ValueError, match=match):
+        _ops.grouped_gemm(a, b, offsets, s, s, None, torch.float32)
+    if "weight" not in match:
+        with pytest.raises(ValueError, match=match):
+            _ops.grouped_gemm_wgrad(a.t().contiguous(), a.t().contiguous(), offsets, s, s,
+                                    torch.float32)
+        with pytest.raises(ValueError, match=match):
+            _ops.quantize_current_grouped(x, offsets, E4, 1.0, False)
+        with pytest.raises(ValueError, match=match):
+            _ops.quantize_blockwise_grouped(x, offsets, E4, False)
+
+
+def test_scale_shapes_are_checked():
+    a, b, offsets = _fp8((6, 32)), _fp8((2, 8, 32)), torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="a_scale_inv"):
+        _ops.grouped_gemm(a, b, offsets, torch.ones(6), torch.ones(2), None, torch.float32)
+    with pytest.raises(ValueError, match="b_scale_inv"):
+        _ops.grouped_gemm(a, b, offsets, torch.ones(2), torch.ones(8), None, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck: schema, fake, autograd registration, AOT dispatch
+# ----------------------------------------------------------------------------------------------
+def _op_samples():
+    offsets = _offsets([3, 0, 4])
+    E, M, K, N = 3, 8, 136, 24
+    return {
+        "grouped_gemm": [
+            (_fp8((M, K)), _fp8((E, N, K)), offsets, torch.rand(E), torch.rand(E), None,
+             torch.bfloat16),
+            (_fp8((M, K)), _fp8((E, N, K)), offsets, torch.rand(M, 1), torch.rand(E, N),
+             torch.randn(E, N), torch.float32)],
+        "grouped_gemm_blockwise": [
+            (_fp8((M, K)), _fp8((E, N, K)), offsets, torch.rand(M, 2), torch.rand(E, 1, 2),
+             torch.randn(E, N), torch.bfloat16)],
+        "grouped_gemm_wgrad": [
+            (_fp8((N, M), E5), _fp8((K, M)), offsets, torch.rand(E), torch.rand(E),
+             torch.float32)],
+        "grouped_gemm_wgrad_blockwise": [
+            (_fp8((N, M)), _fp8((K, M)), offsets, torch.rand(N, 3), torch.rand(K, 3),
+             torch.bfloat16)],
+        "quantize_current_grouped": [(torch.randn(M, K), offsets, E4, 1.0, False, True),
+                                     (torch.randn(M, K).bfloat16(), offsets, E5, 2.0, True)],
+        "quantize_blockwise_grouped": [(torch.randn(M, K), offsets, E4, False)],
+    }
+
+
+def test_every_grouped_op_has_samples():
+    from fp8ops.ops.grouped import SCHEMAS
+    assert set(_op_samples()) == set(SCHEMAS)
+
+
+@pytest.mark.parametrize("name, index", [(n, i) for n, c in _op_samples().items()
+                                         for i in range(len(c))])
+def test_opcheck(name, index):
+    args = _op_samples()[name][index]
+    tests = ["test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    if not any(isinstance(a, torch.Tensor) and a.element_size() == 1 for a in args):
+        tests.append("test_schema")  # (its checker has no float8 allclose on CPU: test_ops.py)
+    torch.library.opcheck(getattr(_ops, name).default, args, test_utils=tests)
+
+
+# ----------------------------------------------------------------------------------------------
+# expert weight casts
+# ----------------------------------------------------------------------------------------------
+def test_expert_casts_are_the_dense_casts_per_expert():
+    from fp8ops.ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+    w = torch.randn(3, 136, 200) * torch.tensor([1e-3, 1.0, 1e3]).view(3, 1, 1)
+    w[1] = 0  # an all-zero expert: scale 1
+    data, data_t, scale, scale_inv = quantize_experts_current(w, E4, 1.0, False)
+    bd, bs, bd_t, bs_t = quantize_experts_blockwise(w, E4, True)
+    for g in range(3):
+        d, d_t, s, s_inv, _ = _ops.quantize_current(w[g], E4, 1.0, False, True)
+        for got, want in ((data[g], d), (data_t[g], d_t), (scale[g], s), (scale_inv[g], s_inv)):
+            _same(got, want)
+        r, rs = _ops.quantize_blockwise(w[g], E4, 128, 128, True)
+        _same(bd[g], r)
+        _same(bs[g], rs)
+        _same(bd_t[g], r.t().contiguous())
+        _same(bs_t[g], rs.t())
+    assert scale[1] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_linear and FP8GroupedLinear
+# ----------------------------------------------------------------------------------------------
+RECIPES = {"current": None, "current_p2": fp8ops.CurrentScaling(power_of_two=True, margin=2.0),
+           "blockwise": fp8ops.BlockwiseScaling()}
+
+
+def _problem(sizes, dtype, k=136, n=72, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E, M = len(sizes), sum(sizes)
+    x = torch.randn(M, k, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(E, n, k, generator=g) / k ** 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(E, n, generator=g)).to(dtype).requires_grad_() if bias else None
+    dy = torch.randn(M, n, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+def _loop_of_linear(x, w, b, dy, sizes, recipe):
+    """The reference: fp8ops.linear on each expert's tokens, every expert a layer of its own."""
+    xs = x.detach().clone().requires_grad_()
+    ws = [w[g].detach().clone().requires_grad_() for g in range(len(sizes))]
+    bs = [None if b is None else b[g].detach().clone().requires_grad_()
+          for g in range(len(sizes))]
+    ys = [fp8ops.linear(xs[lo:hi], ws[g], bs[g], recipe=recipe)
+          for g, (lo, hi) in enumerate(_bounds(sizes))]
+    y = torch.cat(ys)
+    y.backward(dy)
+    db = None if b is None else torch.stack([bb.grad for bb in bs])
+    return y, xs.grad, torch.stack([ww.grad for ww in ws]), db
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_linear_is_the_loop_of_fp8_linear_bit_for_bit(recipe, case, dtype):
+    sizes = SIZES[case]
+    x, w, _, dy = _problem(sizes, dtype)
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), recipe=RECIPES[recipe])
+    y.backward(dy)
+    ry, rdx, rdw, _ = _loop_of_linear(x, w, None, dy, sizes, RECIPES[recipe])
+    _same(y, ry)
+    _same(x.grad, rdx)
+    _same(w.grad, rdw)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_grouped_linear_with_bias(recipe):
+    sizes = SIZES["ragged"]
+    x, w, b, dy = _problem(sizes, torch.bfloat16, bias=True)
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), b, recipe=RECIPES[recipe])
+    y.backward(dy)
+    ry, rdx, rdw, rdb = _loop_of_linear(x, w, b, dy, sizes, RECIPES[recipe])
+    _same(y, ry)  # the bias is added in the GEMM's epilogue, as the dense layer's
+    _same(x.grad, rdx)
+    _same(w.grad, rdw)
+    # the bias gradient sums each expert's rows in float32 (in another order than the dense
+    # layer's column sums): equal up to that float32 rounding, then bf16's
+    torch.testing.assert_close(b.grad.float(), rdb.float(), rtol=1e-2, atol=1e-2)
+
+
+def _rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_grouped_linear_is_close_to_high_precision(recipe):
+    """Against the float32 reference, within FP8 error: E4M3 has 3 mantissa bits (relative
+    rounding error up to 2^-4 per element, far less on a sum of many), E5M2 gradients 2."""
+    sizes = [40, 0, 70, 150]
+    x, w, _, dy = _problem(sizes, torch.float32, k=256, n=128)
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), recipe=RECIPES[recipe])
+    y.backward(dy)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yr = torch.cat([xr[lo:hi] @ wr[g].t() for g, (lo, hi) in enumerate(_bounds(sizes))])
+    yr.backward(dy)
+    bound = {"current": 0.06, "current_p2": 0.06, "blockwise": 0.05}[recipe]
+    assert _rel_err(y, yr) < bound
+    assert _rel_err(x.grad, xr.grad) < 2 * bound
+    assert _rel_err(w.grad, wr.grad) < 2 * bound
+    assert not w.grad[1].any()  # the expert with no tokens
+
+
+def test_grouped_linear_rows_past_the_last_group():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    offsets = torch.tensor([3, 5], dtype=torch.int32)  # rows 5 and 6 belong to no expert
+    y = fp8ops.grouped_linear(x, w, offsets)
+    assert not y[5:].any()
+    y.sum().backward()
+    assert not x.grad[5:].any()
+
+
+def test_grouped_linear_checks_its_arguments():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    offsets = _offsets([3, 4])
+    with pytest.raises(ValueError, match="int32"):
+        fp8ops.grouped_linear(x, w, offsets.long())
+    with pytest.raises(ValueError, match="3-D"):
+        fp8ops.grouped_linear(x, w[0], offsets)
+    with pytest.raises(ValueError, match="in_features"):
+        fp8ops.grouped_linear(x[:, :10], w, offsets)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fp8ops.grouped_linear(x, w, torch.tensor([4, 3], dtype=torch.int32))
+    for recipe in (fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
+                   fp8ops.CurrentScaling(grad_rounding="stochastic")):
+        with pytest.raises(NotImplementedError):
+            fp8ops.grouped_linear(x, w, offsets, recipe=recipe)
+
+
+def test_grouped_linear_under_autocast():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8ops.grouped_linear(x, w, _offsets([3, 4]))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_grouped_linear_main_grad():
+    x, w, _, dy = _problem([3, 4], torch.bfloat16)
+    w.main_grad = torch.ones(w.shape)
+    fp8ops.grouped_linear(x, w, _offsets([3, 4])).backward(dy)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    fp8ops.grouped_linear(x2, w2, _offsets([3, 4])).backward(dy)
+    assert w.grad is None
+    torch.testing.assert_close(w.main_grad, 1 + w2.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_double_backward_is_an_error():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    y = fp8ops.grouped_linear(x, w, _offsets([3, 4]))
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_module_trains_like_the_functional_form(recipe):
+    torch.manual_seed(0)
+    layer = fp8ops.FP8GroupedLinear(4, 136, 72, bias=True, recipe=RECIPES[recipe])
+    assert layer.weight.shape == (4, 72, 136) and layer.bias.shape == (4, 72)
+    assert isinstance(layer, torch.nn.Module) and fp8ops.nn.FP8GroupedLinear is type(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    offsets = _offsets([10, 0, 7, 9])
+    x, target = torch.randn(26, 136), torch.randn(26, 72)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(layer(x, offsets), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    state = layer.state_dict()
+    assert set(state) == {"weight", "bias"}
+    again = fp8ops.FP8GroupedLinear(4, 136, 72, bias=True, recipe=RECIPES[recipe])
+    again.load_state_dict(state)
+    _same(again(x, offsets), layer(x, offsets))
+
+
+@pytest.mark.parametrize("recipe, backend", [("current", "inductor"),
+                                             ("blockwise", "aot_eager")])
+def test_torch_compile_fullgraph_matches_eager(recipe, backend):
+    """No graph break (the groups' sizes are read inside the ops only), the same bytes."""
+    torch._dynamo.reset()
+    sizes = SIZES["ragged"]
+    x, w, _, dy = _problem(sizes, torch.bfloat16)
+    offsets = _offsets(sizes)
+
+    def step(x, w):
+        return fp8ops.grouped_linear(x, w, offsets, recipe=RECIPES[recipe])
+
+    y = step(x, w)
+    y.backward(dy)
+    xc, wc = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yc = torch.compile(step, backend=backend, fullgraph=True)(xc, wc)
+    yc.backward(dy)
+    _same(yc, y)
+    _same(xc.grad, x.grad)
+    _same(wc.grad, w.grad)
+
+
+@pytest.mark.parametrize("name", sorted(_op_samples()))
+def test_autocast_does_not_reach_the_kernels(name):
+    """Under torch.autocast a grouped op computes what it computes without it (the emulation's
+    float32 matmuls stay float32)."""
+    for args in _op_samples()[name]:
+        want = getattr(_ops, name)(*args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = getattr(_ops, name)(*args)
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            _same(g, w)

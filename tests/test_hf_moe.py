@@ -1,0 +1,183 @@
+"""The mixture-of-experts models of Hugging Face transformers converted by convert_to_fp8: the
+experts modules run fp8ops.grouped_linear, train, and save / load exactly. Tiny models built from
+configs: nothing is downloaded."""
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+import transformers
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, MixtralConfig,
+                          Qwen2MoeConfig, Qwen3MoeConfig)
+
+import fp8ops
+from fp8ops.nn.hf_moe import is_hf_experts
+
+VOCAB, SEQ = 64, 16
+transformers.logging.set_verbosity_error()
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               max_position_embeddings=SEQ, tie_word_embeddings=False, bos_token_id=0,
+               eos_token_id=1, pad_token_id=None)
+CONFIGS = {
+    "mixtral": lambda: MixtralConfig(intermediate_size=48, num_key_value_heads=1,
+                                     num_local_experts=4, num_experts_per_tok=2, **_COMMON),
+    "qwen2_moe": lambda: Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
+                                        shared_expert_intermediate_size=32, num_experts=4,
+                                        num_experts_per_tok=2, num_key_value_heads=1, **_COMMON),
+    "qwen3_moe": lambda: Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24,
+                                        num_experts=4, num_experts_per_tok=2,
+                                        num_key_value_heads=1, head_dim=16, **_COMMON),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        intermediate_size=48, moe_intermediate_size=24, num_key_value_heads=2,
+        n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, n_group=1, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=0, **_COMMON),
+    # experts stored [E, in, out], gate and up interleaved, with biases
+    "gpt_oss": lambda: GptOssConfig(intermediate_size=48, num_local_experts=4,
+                                    num_experts_per_tok=2, num_key_value_heads=1, head_dim=16,
+                                    **_COMMON),
+}
+
+
+def _model(name, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(CONFIGS[name]()).to(dtype)
+
+
+def _experts(model):
+    return [m for m in model.modules() if is_hf_experts(m)]
+
+
+def _batch(gen):
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_experts_module_runs_fp8_grouped_gemms_close_to_its_own_forward(name):
+    """The converted experts module against its class's forward on the same routing: within FP8
+    error (a token sent to the wrong expert, or a result put back on the wrong row, would be far
+    off)."""
+    model = _model(name)
+    (experts,) = _experts(model)
+    ref = copy.deepcopy(experts)
+    ref.config._experts_implementation = "eager"  # the class's own loop over the experts
+    fp8ops.convert_to_fp8(model)
+    assert "fp8_recipe" in experts.__dict__
+    g = torch.Generator().manual_seed(1)
+    tokens, k = 40, 2
+    x = torch.randn(tokens, 32, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(tokens)])
+    index[:10] = torch.tensor([0, 3])  # many tokens on two experts; expert 1 or 2 may be empty
+    weights = torch.rand(tokens, k, generator=g).softmax(-1)
+    y = experts(x, index, weights)
+    xr = x.detach().clone().requires_grad_()
+    yr = ref(xr, index, weights)
+    assert y.shape == yr.shape and y.dtype == yr.dtype
+    assert _rel_err(y, yr) < 0.1
+    y.square().sum().backward()
+    yr.square().sum().backward()
+    assert _rel_err(x.grad, xr.grad) < 0.15
+    for (pname, p), (_, pr) in zip(experts.named_parameters(), ref.named_parameters()):
+        assert _rel_err(p.grad, pr.grad) < 0.15, pname
+
+
+@pytest.mark.parametrize("recipe", [None, fp8ops.BlockwiseScaling()], ids=["current", "blockwise"])
+def test_mixtral_trains_close_to_bf16(recipe):
+    fp8, ref = _model("mixtral", dtype=torch.bfloat16), _model("mixtral", dtype=torch.bfloat16)
+    fp8ops.convert_to_fp8(fp8, recipe)
+    assert len(_experts(fp8)) == 1 and "fp8_recipe" in _experts(fp8)[0].__dict__
+    losses = {}
+    for key, model in (("fp8", fp8), ("bf16", ref)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(3)
+        losses[key] = []
+        for _ in range(3):
+            loss = model(**_batch(gen)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[key].append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses["fp8"])))
+    assert losses["fp8"] == pytest.approx(losses["bf16"], rel=0.02)
+    # the experts' parameters were trained: they changed
+    assert not torch.equal(fp8.model.layers[0].mlp.experts.down_proj,
+                           _model("mixtral", dtype=torch.bfloat16).model.layers[0].mlp.experts
+                           .down_proj)
+
+
+def test_save_pretrained_round_trip_is_exact(tmp_path):
+    model = _model("mixtral")
+    names = [n for n, _ in model.named_parameters()]
+    fp8ops.convert_to_fp8(model)
+    assert [n for n, _ in model.named_parameters()] == names  # the parameters stay as they are
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        model(**_batch(gen)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    plain = fp8ops.plain_state_dict(model)
+    assert set(loaded.state_dict()) == set(plain)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, plain[key]), key
+    fp8ops.convert_to_fp8(loaded)
+    batch = _batch(torch.Generator().manual_seed(5))
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+
+
+def test_copies_pickles_and_convert_back():
+    model = _model("mixtral")
+    ref = copy.deepcopy(model)
+    fp8ops.convert_to_fp8(model)
+    batch = _batch(torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(**batch).logits
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            (experts,) = _experts(other)
+            assert experts.forward.args[0] is experts  # bound to the copy, not the original
+            assert torch.equal(other(**batch).logits, want)
+        fp8ops.convert_from_fp8(model)
+        assert not any("fp8_recipe" in m.__dict__ for m in model.modules())
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+
+
+def test_a_recipe_the_grouped_layer_does_not_take_leaves_the_experts(caplog):
+    model = _model("mixtral")
+    with caplog.at_level(logging.WARNING, logger="fp8ops.modules"):
+        fp8ops.convert_to_fp8(model, fp8ops.DelayedScaling())
+    assert "high precision" in caplog.text
+    assert not any("fp8_recipe" in m.__dict__ for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fp8ops.FP8Linear)
+
+
+def test_filter_fn_picks_experts_too():
+    model = _model("mixtral")
+    fp8ops.convert_to_fp8(model, filter_fn=lambda mod, fqn: not fqn.endswith("experts"))
+    assert not any("fp8_recipe" in m.__dict__ for m in model.modules())
+    fp8ops.convert_to_fp8(model, fp8ops.BlockwiseScaling())  # again: takes the new recipe
+    (experts,) = _experts(model)
+    assert experts.fp8_recipe == fp8ops.BlockwiseScaling()
+
+
+def test_converted_experts_compile_with_no_graph_break():
+    torch._dynamo.reset()
+    model = _model("mixtral")
+    fp8ops.convert_to_fp8(model)
+    (experts,) = _experts(model)
+    g = torch.Generator().manual_seed(7)
+    x, index = torch.randn(10, 32, generator=g), torch.randint(0, 4, (10, 2), generator=g)
+    weights = torch.rand(10, 2, generator=g)
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, index, weights), experts(x, index, weights))
