@@ -1,6 +1,7 @@
 """fp8ops.FP8AdamW against torch AdamW: training quality over seeds, state bytes, step time.
 
     python bench/bench_optimizer.py [--seeds 0,1,2,3,4] [--steps 200] [--recipe baseline]
+    python bench/bench_optimizer.py --time-only --device cuda   # the step time alone
     python bench/bench_optimizer.py --smoke      # a tiny run that checks the script works
 
 1. Quality: the demo model (examples/train_gpt.py, its CPU preset unless --size says otherwise)
@@ -75,7 +76,8 @@ def state_bytes_per_param(targs):
 
 def step_times(device, rounds: int):
     """Median step time of FP8AdamW (each variant) over AdamW's, steps taken in turns."""
-    shapes = [(2048, 2048)] * 4 + [(5632, 2048)] * 3 if device.type == "cuda" else [(512, 512)] * 4
+    big = device.type == "cuda"
+    shapes = [(2048, 2048)] * 4 + [(5632, 2048)] * 3 if big else [(512, 512)] * 4
     params = {}
     for variant in VARIANTS:
         torch.manual_seed(0)
@@ -99,6 +101,14 @@ def step_times(device, rounds: int):
     return {v: statistics.median(t) / base for v, t in times.items()}, shapes
 
 
+def _kind(device) -> str:
+    return "fused" if device.type == "cuda" else "its CPU default"
+
+
+def _where(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2,3,4")
@@ -107,11 +117,19 @@ def main(argv=None):
     ap.add_argument("--recipe", default="baseline")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--time", action="store_true", help="also time the optimizer step")
+    ap.add_argument("--time-only", action="store_true", help="only time the optimizer step")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     if args.smoke:
         args.seeds, args.steps, args.size = "0", 6, "tiny"
+    if args.time_only:
+        device = torch.device(args.device)
+        ratios, shapes = step_times(device, 5 if args.smoke else 30)
+        print(f"FP8AdamW step time over torch AdamW's ({_kind(device)}, {len(shapes)} parameters "
+              f"of shapes {sorted(set(shapes))}, {_where(device)}, torch {torch.__version__}): "
+              + ", ".join(f"{v} {r:.2f}x" for v, r in ratios.items() if v != "adamw"))
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     start = time.time()
     val, state, targs = quality(args, seeds)
@@ -140,8 +158,8 @@ def main(argv=None):
     if args.time:
         device = torch.device(args.device)
         ratios, shapes = step_times(device, 5 if args.smoke else 30)
-        lines += ["", f"Step time over torch AdamW's ({'fused' if device.type == 'cuda' else 'default'}"
-                  f", {len(shapes)} parameters of shapes {sorted(set(shapes))}, device {device}): "
+        lines += ["", f"Step time over torch AdamW's ({_kind(device)}, {len(shapes)} parameters of "
+                  f"shapes {sorted(set(shapes))}, {_where(device)}): "
                   + ", ".join(f"{v} {r:.2f}x" for v, r in ratios.items() if v != "adamw")]
     table = "\n".join(lines) + "\n"
     os.makedirs(args.out, exist_ok=True)

@@ -84,6 +84,20 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         ops.quantize_blockwise_pair(v, F8, False, dt)
         ops.quantize_mx_pair(v, F8, 32, True, dt)
         ops.quantize_mx_pair(v, F8, 16, False, None)
+# the FP8AdamW step: ragged sizes (a partial last block), each parameter dtype and v format
+for n in (1, 129, 1000):
+    for pdt in (torch.float32, torch.bfloat16):
+        p = torch.randn(n, device="cuda").to(pdt)
+        m, msi = ops.quantize_blockwise(torch.zeros(-(-n // 128), 128, device="cuda"), F8, 1, 128,
+                                        False)
+        for vdt in (F8, torch.float8_e5m2, torch.bfloat16):
+            if vdt == torch.bfloat16:
+                v, vsi = torch.zeros(n, device="cuda", dtype=vdt), torch.empty(0, device="cuda")
+            else:
+                v, vsi = ops.quantize_blockwise(torch.zeros(-(-n // 128), 128, device="cuda"),
+                                                vdt, 1, 128, False)
+            ops.adamw_step(p, torch.randn_like(p), m, msi, v, vsi, 0.875, 0.125, 0.9375, 0.0625,
+                           1e-8, 0.01, 1.5, 0.999, 0.0, 1, 2)
 for algo in ("max", "most_recent", "ema", "percentile"):
     for L in (1, 17, 1024):
         ops.delayed_scale_update(torch.rand(L, device="cuda"), torch.ones(1, device="cuda"),

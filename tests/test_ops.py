@@ -14,6 +14,11 @@ def _fp8(shape, dtype=E4, scale=8.0):
     return (torch.randn(shape) * scale).clamp(-448, 448).to(dtype)
 
 
+def _moment(shape, dtype=E4):
+    """A second moment's stored values: non-negative."""
+    return (torch.rand(shape) * 8).to(dtype)
+
+
 def _samples():
     x = torch.randn(6, 64) * 3
     xb = x.to(torch.bfloat16)
@@ -57,10 +62,34 @@ def _samples():
         "gemm_mx": [(_fp8((5, 64)), torch.randint(110, 130, (5, 2), dtype=torch.uint8),
                      _fp8((7, 64)), torch.randint(110, 130, (7, 2), dtype=torch.uint8),
                      torch.randn(7), torch.bfloat16, 32)],
+        # param, grad, m, m_scale_inv, v, v_scale_inv, 9 float32 scalars, seed, offset
+        "adamw_step": [(torch.randn(3, 100), torch.randn(3, 100), _fp8((3, 128)),
+                        torch.rand(3, 1), _moment((3, 128)), torch.rand(3, 1), *ADAMW_SCALARS),
+                       (torch.randn(200, dtype=torch.bfloat16), torch.randn(200).bfloat16(),
+                        _fp8((2, 128)), torch.rand(2, 1), torch.rand(200).bfloat16(),
+                        torch.empty(0), *ADAMW_SCALARS[:-2], 7, 3 << 32 | 5),
+                       (torch.randn(128), torch.randn(128), _fp8((1, 128)), torch.rand(1, 1),
+                        _moment((1, 128), E5), torch.rand(1, 1), *ADAMW_SCALARS)],
     }
 
 
+# beta1, 1 - beta1, beta2, 1 - beta2, eps, step size, 1 / sqrt(1 - beta2^t), decay, l2 (float32
+# values), seed, offset
+ADAMW_SCALARS = (0.875, 0.125, 0.9375, 0.0625, 2.0 ** -20, 0.01, 1.5, 0.999, 0.0, 0, 1)
 SAMPLES = _samples()
+
+
+def _results(name, args):
+    """What an op gives: its outputs, or for an op that writes its arguments (returns None),
+    the arguments it writes."""
+    out = getattr(torch.ops.fp8ops, name)(*args)
+    if out is None:
+        return tuple(a for a in args if isinstance(a, torch.Tensor))
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _fresh(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def test_every_op_has_samples():
@@ -83,9 +112,12 @@ def test_opcheck(name, args):
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_op_runs_emulation_on_cpu(name):
     args = SAMPLES[name][0]
-    got = getattr(torch.ops.fp8ops, name)(*args)
-    ref = getattr(emulation, name)(*args)
-    got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+    got = _results(name, _fresh(args))
+    ref_args = _fresh(args)
+    ref = getattr(emulation, name)(*ref_args)
+    if ref is None:
+        ref = tuple(a for a in ref_args if isinstance(a, torch.Tensor))
+    ref = ref if isinstance(ref, tuple) else (ref,)
     for g, r in zip(got, ref):
         assert g.dtype == r.dtype and g.shape == r.shape
         assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
@@ -99,12 +131,9 @@ def test_autocast_does_not_reach_the_kernels(name, dtype):
     """Called under torch.autocast, an op computes what it computes without it: autocast would
     run the emulation's float32 matmuls (the GEMMs) in bf16 or fp16."""
     for args in SAMPLES[name]:
-        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        ref = getattr(torch.ops.fp8ops, name)(*[a.clone() if isinstance(a, torch.Tensor) else a
-                                                for a in args])
+        ref = _results(name, _fresh(args))
         with torch.autocast("cpu", dtype=dtype):
-            got = getattr(torch.ops.fp8ops, name)(*args)
-        got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+            got = _results(name, _fresh(args))
         for g, r in zip(got, ref):
             assert g.dtype == r.dtype
             assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,

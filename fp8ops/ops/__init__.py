@@ -56,6 +56,12 @@ SCHEMAS = {
                       "ScalarType out_dtype) -> Tensor",
     "gemm_mx": "(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor? bias, "
                "ScalarType out_dtype, int block_size) -> Tensor",
+    # one FP8AdamW step of one parameter, in place (adamw.py: the moments' layout and the
+    # arithmetic); the float scalars are float32 values, as the optimizer rounds them
+    "adamw_step": "(Tensor(a!) param, Tensor grad, Tensor(b!) m, Tensor(c!) m_scale_inv, "
+                  "Tensor(d!) v, Tensor(e!) v_scale_inv, float beta1, float one_minus_beta1, "
+                  "float beta2, float one_minus_beta2, float eps, float step_size, "
+                  "float bias2_rsqrt, float decay, float l2, int seed, int offset) -> ()",
 }
 
 # The casts of the training step, one call each (fused.py gives their meaning in terms of

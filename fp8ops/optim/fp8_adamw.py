@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
-from ..ops.bf16_rounding import stochastic_round_bf16
+from ..ops import adamw
 from . import moments
 
 _MASK32 = 0xFFFFFFFF
@@ -163,33 +163,21 @@ class FP8AdamW(Optimizer):
         t = int(state["step"].item())
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
+        decoupled = self.decoupled_weight_decay
+        scalars = (_f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
+                   _f32(group["eps"]), _f32(lr / (1.0 - beta1 ** t)),
+                   _f32(1.0 / math.sqrt(1.0 - beta2 ** t)),
+                   _f32(1.0 - lr * wd) if decoupled else 1.0, 0.0 if decoupled else _f32(wd),
+                   group["seed"], (index << 32) | (t & _MASK32))
         local, grad = _local(p), _local(p.grad)
-        flat = local.reshape(-1)
-        g = grad.reshape(-1).float()
-        p32 = flat.float()
-        if wd and not self.decoupled_weight_decay:
-            g = g.add(p32.mul(_f32(wd)))
-        m, v = moments.read(state, flat.numel())
-        m = m.mul(_f32(beta1)).add_(g.mul(_f32(1.0 - beta1)))
-        v = v.mul(_f32(beta2)).add_(g.mul(g).mul_(_f32(1.0 - beta2)))
-        sqrt_v = moments.sqrt_rn(v)
-        # a multiply by the float32 reciprocal, not a division by a scalar (which torch turns
-        # into a multiply by a reciprocal of its own on some devices)
-        denom = sqrt_v.mul(_f32(1.0 / math.sqrt(1.0 - beta2 ** t))).add_(_f32(group["eps"]))
-        update = m.div(denom)
-        # v = 0 means m = 0 in exact arithmetic: where v's rounding lost a tiny value, a stored
-        # m would otherwise be divided by eps alone
-        update = update.masked_fill_(sqrt_v == 0, 0.0).mul_(_f32(lr / (1.0 - beta1 ** t)))
-        if wd and self.decoupled_weight_decay:
-            p32 = p32.mul(_f32(1.0 - lr * wd))
-        p32 = p32.sub(update)
-        moments.write(state, m, v, sqrt_v)
-        if local.dtype == torch.bfloat16:
-            offset = (index << 32) | (t & _MASK32)
-            rounded = stochastic_round_bf16(p32, group["seed"], offset)
-            flat.copy_(rounded)
+        target = local if local.is_contiguous() else local.contiguous()
+        if state["m"].dtype == torch.float32:
+            adamw.step_float32(target, grad, state["m"], state["v"], *scalars)
         else:
-            flat.copy_(p32)
+            torch.ops.fp8ops.adamw_step(target, grad, state["m"], state["m_scale_inv"],
+                                        state["v"], state["v_scale_inv"], *scalars)
+        if target is not local:
+            local.copy_(target)
 
     # -- checkpoints -------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
@@ -227,7 +215,7 @@ class FP8AdamW(Optimizer):
             if m.numel() != local.numel() or v.numel() != local.numel():
                 raise ValueError(f"{type(self).__name__}.load_state_dict: saved moments of "
                                  f"{m.numel()} values for a parameter of {local.numel()}")
-            moments.write(state, m, v, moments.sqrt_rn(v))
+            moments.write(state, m, v)
             return state
         same = {k: t.to(local.device) for k, t in saved.items() if k != "step"}
         if moments.form(same) == moments.form(state) and all(
@@ -235,7 +223,7 @@ class FP8AdamW(Optimizer):
             state.update(same)  # the exact bytes
             return state
         m, v = moments.read(same, local.numel())
-        moments.write(state, m, v, moments.sqrt_rn(v))
+        moments.write(state, m, v)
         return state
 
     def to_torch_state_dict(self) -> dict:

@@ -1,0 +1,143 @@
+"""The FP8AdamW step (docs/numerics.md, "FP8AdamW") as the emulation of the op
+`torch.ops.fp8ops.adamw_step`, the reference a fused kernel (csrc/adamw.cu) equals bit for bit.
+
+Moments of a parameter of n values are taken flat in blocks of BLOCK (the last one zero-padded):
+m as E4M3 blocks [blocks, BLOCK] with float32 scale_inv [blocks, 1]; v as E4M3 blocks holding
+sqrt(v), E5M2 blocks holding v, or bfloat16 [n] holding v (scale_inv then empty). The same step
+with float32 moments (small parameters) is `step_float32`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .bf16_rounding import stochastic_round_bf16
+
+BLOCK = 128
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 v. torch's CPU float32 sqrt is not
+    (its vectorized path is off by an ulp in about a sixth of values): the double root of a
+    float32 rounds to the same float32 as the exact root. CUDA's float32 sqrt is correctly
+    rounded already."""
+    if v.device.type == "cpu":
+        return v.double().sqrt_().float()
+    return v.sqrt()
+
+
+def blocks_of(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype):
+    """x (float32, flat) zero-padded to whole blocks -> (FP8 data [blocks, BLOCK], float32
+    scale_inv [blocks, 1]): the 1x128 blockwise quantizer."""
+    n = x.numel()
+    if blocks_of(n) * BLOCK != n:
+        x = torch.cat([x, x.new_zeros(blocks_of(n) * BLOCK - n)])
+    return torch.ops.fp8ops.quantize_blockwise(x.view(-1, BLOCK), dtype, 1, BLOCK, False)
+
+
+def decode(data: torch.Tensor, scale_inv: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first `numel` float32 values of blocks made by encode."""
+    out = torch.ops.fp8ops.dequantize_blockwise(data, scale_inv, 1, BLOCK, torch.float32)
+    return out.view(-1)[:numel]
+
+
+def read_v(v: torch.Tensor, v_scale_inv: torch.Tensor, numel: int) -> torch.Tensor:
+    """v as float32 from its stored form."""
+    if v.dtype == torch.bfloat16:
+        return v.float()
+    d = decode(v, v_scale_inv, numel)
+    return d.mul_(d) if v.dtype == E4M3 else d
+
+
+def _update(p32, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+            bias2_rsqrt, decay, l2):
+    """(new p, m, v, sqrt(v)) in float32, every operation rounded to float32. Python floats
+    given here are float32 values already (a float32 op with one rounds it to itself)."""
+    if l2:
+        g = g.add(p32.mul(l2))
+    m = m.mul(beta1).add_(g.mul(one_minus_beta1))
+    v = v.mul(beta2).add_(g.mul(g).mul_(one_minus_beta2))
+    s = sqrt_rn(v)
+    # a multiply by the reciprocal, not a division by a scalar (which torch turns into a
+    # multiply by a reciprocal of its own on some devices)
+    update = m.div(s.mul(bias2_rsqrt).add_(eps))
+    # v = 0 means m = 0 in exact arithmetic: where v's rounding lost a tiny value, a stored m
+    # would otherwise be divided by eps alone
+    update = update.masked_fill_(s == 0, 0.0).mul_(step_size)
+    if decay != 1.0:
+        p32 = p32.mul(decay)
+    return p32.sub(update), m, v, s
+
+
+def _write_param(param: torch.Tensor, p32: torch.Tensor, seed: int, offset: int) -> None:
+    flat = param.view(-1)
+    if param.dtype == torch.bfloat16:
+        flat.copy_(stochastic_round_bf16(p32, seed, offset))
+    else:
+        flat.copy_(p32)
+
+
+def _check(param, grad, m, m_scale_inv, v, v_scale_inv) -> int:
+    n = param.numel()
+    if param.dtype not in (torch.float32, torch.bfloat16) or not param.is_contiguous():
+        raise ValueError(f"fp8ops: adamw_step: param must be contiguous float32 or bfloat16, "
+                         f"got {param.dtype} (contiguous: {param.is_contiguous()})")
+    if grad.numel() != n:
+        raise ValueError(f"fp8ops: adamw_step: grad has {grad.numel()} values, param {n}")
+    blocks = blocks_of(n)
+    if m.dtype != E4M3 or tuple(m.shape) != (blocks, BLOCK) or m_scale_inv.numel() != blocks:
+        raise ValueError(f"fp8ops: adamw_step: m must be E4M3 [{blocks}, {BLOCK}] with "
+                         f"{blocks} scales, got {m.dtype} {tuple(m.shape)} and "
+                         f"{m_scale_inv.numel()}")
+    if v.dtype == torch.bfloat16:
+        ok = v.numel() == n
+    else:
+        ok = v.dtype in (E4M3, E5M2) and tuple(v.shape) == (blocks, BLOCK) and \
+            v_scale_inv.numel() == blocks
+    if not ok:
+        raise ValueError(f"fp8ops: adamw_step: v must be E4M3 / E5M2 [{blocks}, {BLOCK}] with "
+                         f"{blocks} scales, or bfloat16 of {n} values; got {v.dtype} "
+                         f"{tuple(v.shape)}")
+    return n
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
+               m_scale_inv: torch.Tensor, v: torch.Tensor, v_scale_inv: torch.Tensor,
+               beta1: float, one_minus_beta1: float, beta2: float, one_minus_beta2: float,
+               eps: float, step_size: float, bias2_rsqrt: float, decay: float, l2: float,
+               seed: int, offset: int) -> None:
+    """One step of one parameter with FP8 moments, in place (param, m, v and their scales)."""
+    n = _check(param, grad, m, m_scale_inv, v, v_scale_inv)
+    p32 = param.reshape(-1).float()
+    g = grad.reshape(-1).float()
+    m32 = decode(m, m_scale_inv, n)
+    v32 = read_v(v, v_scale_inv, n)
+    p32, m32, v32, s = _update(p32, g, m32, v32, beta1, one_minus_beta1, beta2,
+                               one_minus_beta2, eps, step_size, bias2_rsqrt, decay, l2)
+    data, scale_inv = encode(m32, E4M3)
+    m.copy_(data)
+    m_scale_inv.copy_(scale_inv.view(m_scale_inv.shape))
+    if v.dtype == torch.bfloat16:
+        v.view(-1).copy_(v32)
+    else:
+        data, scale_inv = encode(s if v.dtype == E4M3 else v32, v.dtype)
+        v.copy_(data)
+        v_scale_inv.copy_(scale_inv.view(v_scale_inv.shape))
+    _write_param(param, p32, seed, offset)
+
+
+def step_float32(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 *scalars) -> None:
+    """adamw_step with float32 moments m, v [n] (kept as they are, no rounding)."""
+    beta1, omb1, beta2, omb2, eps, step_size, bias2_rsqrt, decay, l2, seed, offset = scalars
+    p32 = param.reshape(-1).float()
+    g = grad.reshape(-1).float()
+    p32, m32, v32, _ = _update(p32, g, m, v, beta1, omb1, beta2, omb2, eps, step_size,
+                               bias2_rsqrt, decay, l2)
+    m.copy_(m32)
+    v.copy_(v32)
+    _write_param(param, p32, seed, offset)
