@@ -1,6 +1,8 @@
 """Device memory of FP8 training with CPUOffloadOptimizer, and the speed of its host step.
 
     python bench/bench_memory.py            # the CPU parts anywhere; the GPU part on a CUDA GPU
+    python bench/bench_memory.py --peak     # only part 4 (--smoke: tiny sizes, writes nothing
+                                            # unless --out is given)
 
 1. Exact device bytes (fp8ops.memory, runs on the CPU too): per FP8Linear weight parameter, for
    each recipe, offloaded vs trained by AdamW on the device, and for a small GPT: float32
@@ -13,7 +15,19 @@
 3. GPU only: peak device memory (torch.cuda.max_memory_allocated) of a GPT of about 1B
    parameters, bf16 autocast baseline vs FP8Linear vs FP8Linear + offload, and the step time of
    offload vs no offload (median of timed steps, each ending in a synchronize).
-Writes bench/results/memory.md and prints it.
+4. --peak: the peak bytes of one training step (forward, backward, optimizer step) of the example
+   Llama (default d_model 256, 4 layers, batch 4 x 256 tokens; --peak-d-model, --peak-n-layer,
+   --peak-seq, --peak-batch), per configuration, each adding one feature to the one before:
+   float32 parameters under bf16 autocast with torch AdamW (the baseline); FP8 Linears in the
+   blocks; FP8AdamW; bf16 parameters; fp8_activations(); CPUOffloadOptimizer(FP8AdamW). The
+   SECOND step is measured (the first makes the optimizer state), with torch's MemTracker
+   (torch.distributed._tools.mem_tracker) on any device, plus torch.cuda.max_memory_allocated
+   on CUDA (flagged when the two differ by more than 5%), and on CUDA the largest batch that
+   fits (doubled until torch.cuda.OutOfMemoryError, then bisected; --max-batch caps it). On a
+   CPU-only machine the device is the host: the offload row then counts the host's masters and
+   state too, and its device state (fp8ops.memory) is given instead. Writes
+   bench/results/memory_peak.md and prints it.
+Writes bench/results/memory.md (parts 1-3) and prints it.
 """
 from __future__ import annotations
 
@@ -266,14 +280,25 @@ def reset_scratch() -> None:
     scratch._BUFFERS.base.clear()
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of `tensors` (None skipped)."""
+def storage_bytes(tensors, device) -> int:
+    """Bytes of the distinct storages of the `tensors` on `device` (others and None skipped),
+    each rounded up to 512 bytes on CUDA, as MemTracker and the caching allocator count."""
     seen = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.device == device:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
+    if device.type == "cuda":
+        return sum(-(-n // 512) * 512 for n in seen.values())
     return sum(seen.values())
+
+
+def _indexed(device) -> torch.device:
+    """cuda -> cuda:<current>: MemTracker keys its counts by the tensors' own device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def measure_peak(config, cfg, batch, device):
@@ -289,6 +314,7 @@ def measure_peak(config, cfg, batch, device):
     (bytes counted at the start), device_state (fp8ops.memory.device_state_bytes just before the
     optimizer step), scratch (the emulation's scratch bytes), n_params."""
     from torch.distributed._tools.mem_tracker import MemTracker
+    device = _indexed(device)
     reset_scratch()
     model, opt, step, data = build_peak_step(config, cfg, batch, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -301,9 +327,11 @@ def measure_peak(config, cfg, batch, device):
     tracker.track_external(*alive, model, opt)
     # the same storages counted here, to check that the tracker saw them all at their size
     expected_entry = storage_bytes([*alive, *model.parameters(), *model.buffers(),
-                                    *[t for s in opt.state.values() for t in s.values()]])
+                                    *[t for s in opt.state.values() for t in s.values()]],
+                                   device)
     del alive  # the step's forward replaces the cached casts: no reference here keeps them
-    scratch_before = scratch_bytes()
+    # on CUDA the emulation keeps nothing (its scratch is for CPU tensors)
+    scratch_before = scratch_bytes() if device.type == "cpu" else 0
     counted = {}
     phases = []
 
@@ -451,7 +479,7 @@ def peak_table(rows, cfg, batch, device, batches=None) -> str:
 
 
 def peak_main(args):
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.no_gpu else "cpu")
+    device = _indexed("cuda" if torch.cuda.is_available() and not args.no_gpu else "cpu")
     size = dict(PEAK_SIZES["smoke" if args.smoke else "default"])
     for key in size:
         if getattr(args, f"peak_{key}") is not None:

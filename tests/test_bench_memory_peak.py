@@ -107,3 +107,23 @@ def test_full_configuration_peak_what_holds(rows):
 def test_full_configuration_peak_goal(rows):
     base, full = rows["baseline"], rows["fp8_activations"]
     assert full["peak_less_scratch"] <= 0.50 * base["peak_less_scratch"]
+
+
+@pytest.mark.parametrize("limit, cap, expected", [
+    (37, 256, (37, "")), (1000, 64, (64, ">= 64 (cap 64)")), (0, 256, (0, "< 1")),
+    (1, 256, (1, ""))])
+def test_largest_batch_search(monkeypatch, limit, cap, expected):
+    """The CUDA search's logic, on a stand-in for the step that runs out of memory above
+    `limit` (the search itself needs a GPU)."""
+    tried = []
+
+    def build(config, cfg, batch, device, seed=0):
+        tried.append(batch)
+        if batch > limit:
+            raise torch.cuda.OutOfMemoryError("stand-in")
+        return None, None, lambda: None, None
+
+    monkeypatch.setattr(bench_memory, "build_peak_step", build)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert bench_memory.largest_batch("baseline", None, None, cap=cap) == expected
+    assert len(tried) <= 16
