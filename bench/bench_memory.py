@@ -293,6 +293,22 @@ def storage_bytes(tensors, device) -> int:
     return sum(seen.values())
 
 
+def allocator_peak_growth(prof, marker: str) -> int:
+    """The CPU allocator's own count: from torch.profiler's memory events (profile_memory=True),
+    the most bytes allocated at once during the `marker` record_function, over what was
+    allocated when it began. Blocks allocated before the profile started are not seen freed,
+    so the profile must begin before the measured step (here: with the step before it)."""
+    events = list(prof.profiler.kineto_results.events())
+    (mark,) = [e for e in events if e.name() == marker]
+    start, end = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+    total = peak = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if start <= e.start_ns() <= end and str(e.device_type()) == "DeviceType.CPU":
+            total += e.nbytes()
+            peak = max(peak, total)
+    return peak
+
+
 def _indexed(device) -> torch.device:
     """cuda -> cuda:<current>: MemTracker keys its counts by the tensors' own device."""
     device = torch.device(device)
@@ -307,17 +323,35 @@ def measure_peak(config, cfg, batch, device):
     (parameters, buffers, optimizer state, the batch, cached FP8 casts, offload masters, the
     emulation's scratch buffers) and every one created during the step, each storage once at its
     byte size (FP8 and bf16 alike), and records the largest total with its categories. On CUDA
-    torch.cuda.max_memory_allocated (reset at the start of the step) is measured too.
+    torch.cuda.max_memory_allocated (reset at the start of the step) is measured too; on the CPU
+    the allocator's own count of the step's peak growth (allocator_peak_growth), which sees the
+    temporaries inside C++ ops as well, to compare with the tracker's peak less at_entry.
 
     Returns a dict: peak (MemTracker, bytes on `device`), categories (at that peak), phase
     (forward / backward / optimizer step where it was reached), cuda_peak (or None), at_entry
     (bytes counted at the start), device_state (fp8ops.memory.device_state_bytes just before the
-    optimizer step), scratch (the emulation's scratch bytes), n_params."""
+    optimizer step), scratch (the emulation's scratch bytes), peak_less_scratch, allocator_growth
+    (CPU, or None), n_params."""
     from torch.distributed._tools.mem_tracker import MemTracker
     device = _indexed(device)
     reset_scratch()
     model, opt, step, data = build_peak_step(config, cfg, batch, device)
     n_params = sum(p.numel() for p in model.parameters())
+    cpu = device.type == "cpu"
+    # on the CPU the allocator's own count, from a profile of both steps, checks the tracker's
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  profile_memory=True) if cpu else contextlib.nullcontext()
+    with prof:
+        out = _tracked_second_step(MemTracker, model, opt, step, data, device)
+    out.update(config=config, label=PEAK_CONFIGS[config], n_params=n_params,
+               allocator_growth=allocator_peak_growth(prof, _MARKER) if cpu else None)
+    return out
+
+
+_MARKER = "bench_memory: measured step"
+
+
+def _tracked_second_step(MemTracker, model, opt, step, data, device):
     step()
     gc.collect()
     tracker = MemTracker()
@@ -345,7 +379,7 @@ def measure_peak(config, cfg, batch, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with tracker, warnings.catch_warnings():
+    with tracker, warnings.catch_warnings(), torch.profiler.record_function(_MARKER):
         # the tracker's gradient hook finds no gradient on a parameter whose gradient an
         # offload hook has already moved to its host master: nothing to count there
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
@@ -368,10 +402,9 @@ def measure_peak(config, cfg, batch, device):
         raise RuntimeError(f"the emulation's scratch buffers changed during the measured step "
                            f"({scratch_before} -> {scratch} bytes): peak less scratch is not "
                            "exact")
-    return dict(config=config, label=PEAK_CONFIGS[config], peak=peak, categories=categories,
-                phase=phase, cuda_peak=cuda_peak, at_entry=at_entry,
-                expected_entry=expected_entry, device_state=counted, scratch=scratch,
-                peak_less_scratch=peak - scratch, n_params=n_params)
+    return dict(peak=peak, categories=categories, phase=phase, cuda_peak=cuda_peak,
+                at_entry=at_entry, expected_entry=expected_entry, device_state=counted,
+                scratch=scratch, peak_less_scratch=peak - scratch)
 
 
 def largest_batch(config, cfg, device, start=1, cap=256, max_tries=16):
@@ -457,6 +490,12 @@ def peak_table(rows, cfg, batch, device, batches=None) -> str:
     lines.append("Bytes the tracker counted at the start of the step vs the same storages "
                  "counted directly: " + ("equal in every row." if not bad else
                                          "DIFFERENT in " + ", ".join(bad) + "."))
+    if not gpu:
+        diff = [f"{r['config']} {r['peak'] - r['at_entry']} vs {r['allocator_growth']}"
+                for r in rows if r["peak"] - r["at_entry"] != r["allocator_growth"]]
+        lines += ["", "The step's peak growth over its start, tracker vs the CPU allocator's own "
+                  "count (torch.profiler, profile_memory): " + (
+                      "equal in every row." if not diff else "; ".join(diff) + ".")]
     if not gpu:
         lines += ["", "CPU: the device is the host, so every figure is host memory. The FP8 rows "
                   "include the emulation's float32 decodes of FP8 operands (temporaries a GPU "

@@ -71,6 +71,16 @@ def test_tracker_counts_what_exists_before_the_step(rows):
         assert r["at_entry"] == r["expected_entry"] > 0, r["config"]
 
 
+def test_tracker_agrees_with_the_cpu_allocator(rows):
+    """The step's peak growth over its start, as the tracker counts it (tensors that ops return)
+    and as the CPU allocator does (every block, temporaries inside C++ ops too, from
+    torch.profiler's memory events): the same bytes, to a few bytes of an op's internals."""
+    for r in rows.values():
+        growth = r["peak"] - r["at_entry"]
+        assert abs(r["allocator_growth"] - growth) <= 1e-3 * growth, (r["config"], growth,
+                                                                      r["allocator_growth"])
+
+
 def test_sizes_are_representative(rows):
     base = rows["baseline"]
     cfg = bench_memory.llama_config(SIZE["d_model"], SIZE["n_layer"], SIZE["seq"])
