@@ -140,3 +140,13 @@ def test_largest_batch_search(monkeypatch, limit, cap, expected):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     assert bench_memory.largest_batch("baseline", None, None, cap=cap) == expected
     assert len(tried) <= 16
+
+
+def test_cli_peak_smoke(tmp_path, capsys):
+    rows = bench_memory.main(["--peak", "--smoke", "--no-gpu", "--out", str(tmp_path),
+                              "--configs", "baseline,fp8_activations"])
+    table = (tmp_path / "memory_peak.md").read_text()
+    assert table in capsys.readouterr().out
+    assert [r["config"] for r in rows] == ["baseline", "fp8_activations"]
+    for r in rows:
+        assert f"| {r['label']} | {r['peak']} |" in table
