@@ -25,8 +25,10 @@
    on CUDA (flagged when the two differ by more than 5%), and on CUDA the largest batch that
    fits (doubled until torch.cuda.OutOfMemoryError, then bisected; --max-batch caps it). On a
    CPU-only machine the device is the host: the offload row then counts the host's masters and
-   state too, and its device state (fp8ops.memory) is given instead. Writes
-   bench/results/memory_peak.md and prints it.
+   state too, and its device state (fp8ops.memory) is given instead; the CPU allocator's own
+   count (torch.profiler) checks the tracker's. The default size is for the CPU; on a GPU pass
+   a larger one, e.g. --peak-d-model 2048 --peak-n-layer 16 --peak-seq 2048 --peak-batch 4.
+   Writes bench/results/memory_peak.md and prints it.
 Writes bench/results/memory.md (parts 1-3) and prints it.
 """
 from __future__ import annotations
@@ -410,8 +412,9 @@ def _tracked_second_step(MemTracker, model, opt, step, data, device):
 def largest_batch(config, cfg, device, start=1, cap=256, max_tries=16):
     """CUDA only: the largest batch (x cfg.seq_len tokens) with which two training steps of
     `config` run without torch.cuda.OutOfMemoryError: batches doubled from `start` until one
-    fails or `cap` is reached, then bisected. Returns (batch, note): note says ">= cap" when the
-    cap was reached, "< start" when even `start` did not fit, "tries" when max_tries stopped it."""
+    fails or `cap` is reached, then bisected. Returns (batch, note): note is "" for the exact
+    largest, "cap" when `cap` fit (the largest may be more), "none" when even `start` did not
+    fit (batch 0), "tries" when max_tries stopped the bisection (the batch fits, a larger may)."""
     tries = 0
 
     def fits(b):
@@ -430,11 +433,11 @@ def largest_batch(config, cfg, device, start=1, cap=256, max_tries=16):
         return ok
 
     if not fits(start):
-        return 0, f"< {start}"
+        return 0, "none"
     lo, hi = start, None
     while hi is None:
         if lo * 2 > cap:
-            return lo, f">= {lo} (cap {cap})"
+            return lo, "cap"
         if tries >= max_tries:
             return lo, "tries"
         if fits(lo * 2):
@@ -483,7 +486,7 @@ def peak_table(rows, cfg, batch, device, batches=None) -> str:
             flag = " (differs > 5%)" if abs(cp - r["peak"]) > 0.05 * r["peak"] else ""
             cells.append(f"{cp}{flag}")
             b = (batches or {}).get(r["config"])
-            cells.append("-" if b is None else f"{b[0]} {b[1]}".strip())
+            cells.append("-" if b is None else f"{b[0]} ({b[1]})" if b[1] else str(b[0]))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     bad = [r["config"] for r in rows if r["at_entry"] != r["expected_entry"]]

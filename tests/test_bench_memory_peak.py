@@ -123,8 +123,7 @@ def test_full_configuration_peak_goal(rows):
 
 
 @pytest.mark.parametrize("limit, cap, expected", [
-    (37, 256, (37, "")), (1000, 64, (64, ">= 64 (cap 64)")), (0, 256, (0, "< 1")),
-    (1, 256, (1, ""))])
+    (37, 256, (37, "")), (1000, 64, (64, "cap")), (0, 256, (0, "none")), (1, 256, (1, ""))])
 def test_largest_batch_search(monkeypatch, limit, cap, expected):
     """The CUDA search's logic, on a stand-in for the step that runs out of memory above
     `limit` (the search itself needs a GPU)."""
@@ -150,3 +149,21 @@ def test_cli_peak_smoke(tmp_path, capsys):
     assert [r["config"] for r in rows] == ["baseline", "fp8_activations"]
     for r in rows:
         assert f"| {r['label']} | {r['peak']} |" in table
+
+
+def test_gpu_table(monkeypatch):
+    """The CUDA table's columns, from made-up rows (the CUDA run itself needs a GPU): the two
+    counts side by side, flagged past 5% apart, and the largest batch."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(bench_memory.fp8ops, "backend", lambda device: "cuda")
+    cats = dict.fromkeys(bench_memory.CATEGORIES, 0)
+    rows = [dict(config=c, label=bench_memory.PEAK_CONFIGS[c], peak=peak, cuda_peak=cuda,
+                 n_params=100, phase="backward", categories=cats, at_entry=1, expected_entry=1,
+                 device_state={}, scratch=0, peak_less_scratch=peak, allocator_growth=None)
+            for c, peak, cuda in (("baseline", 1000, 1040), ("fp8_linear", 500, 600))]
+    cfg = bench_memory.llama_config(128, 2, 64)
+    table = bench_memory.peak_table(rows, cfg, 2, torch.device("cuda", 0),
+                                    {"baseline": (37, ""), "fp8_linear": (256, "cap")})
+    assert "| 1040 | 37 |" in table
+    assert "| 600 (differs > 5%) | 256 (cap) |" in table
+    assert "| 0.500x | 5.00 |" in table
