@@ -264,22 +264,21 @@ def _alive_before(model, opt, data):
             for t in m.fp8_state.weight_cache.payload_tensors()]
     if isinstance(opt, fp8ops.CPUOffloadOptimizer):
         out += [opt.master_of(p) for p in model.parameters()]
-    out += list(scratch._BUFFERS.base.values())
+    out += scratch.kept_buffers()
     return out
 
 
 def scratch_bytes() -> int:
     """Bytes of the CPU emulation's kept scratch buffers (fp8ops.ops.scratch), this thread's."""
     from fp8ops.ops import scratch
-    return sum(t.untyped_storage().nbytes() for t in scratch._BUFFERS.base.values())
+    return sum(t.untyped_storage().nbytes() for t in scratch.kept_buffers())
 
 
 def reset_scratch() -> None:
     """Drop the emulation's kept scratch buffers, so that a configuration counts only its own
     (they live as long as the thread: the buffers of the configurations before would stay)."""
     from fp8ops.ops import scratch
-    scratch._BUFFERS.views.clear()
-    scratch._BUFFERS.base.clear()
+    scratch.release()
 
 
 def storage_bytes(tensors, device) -> int:

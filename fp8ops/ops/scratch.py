@@ -53,3 +53,14 @@ def scratch(slot: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 def scratch_like(slot: str, t: torch.Tensor, dtype: torch.dtype = None) -> torch.Tensor:
     return scratch(slot, t.shape, dtype or t.dtype, t.device)
+
+
+def kept_buffers() -> list:
+    """This thread's kept buffers (for memory accounting: they stay alive between ops)."""
+    return list(_BUFFERS.base.values())
+
+
+def release() -> None:
+    """Drop this thread's kept buffers (the next ops allocate afresh)."""
+    _BUFFERS.views.clear()
+    _BUFFERS.base.clear()
