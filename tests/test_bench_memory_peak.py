@@ -12,8 +12,9 @@ full configuration's 19.8 MB (less scratch), 13.2 MB are activations: the SwiGLU
 bf16 operands and attention's q, k, v (v a view that keeps the whole qkv output) and output,
 which fp8_activations does not cover, the FP8 Linears' FP8 inputs and the FP8 weight casts
 (1-byte data plus its transposed copy: 2 bytes a parameter, as much as the bf16 parameter). The
-tests assert what holds, with a margin; the goal stays open. The scratch buffers (fp8ops.ops.scratch, alive through the step) and the float32 decodes
-of FP8 operands are the emulation's: a GPU FP8 GEMM makes neither, so the CPU figures of the FP8
+tests assert what holds, with a margin; the goal stays open. The scratch buffers
+(fp8ops.ops.scratch, alive through the step) and the float32 decodes of FP8 operands are the
+emulation's: a GPU FP8 GEMM makes neither, so the CPU figures of the FP8
 configurations are upper bounds of a GPU's; the offload row is host plus device memory here, so
 only its device state is checked."""
 from __future__ import annotations
