@@ -8,11 +8,10 @@
 #
 # --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
 # fused FP8AdamW step's, the C++ layer step's, the statistics kernel's, the casts' and the layer's
-# test files; time limit
-# QUICK_TEST_LIMIT) and racecheck of the shared-memory kernels; then the
+# test files; time limit QUICK_TEST_LIMIT) and racecheck of the shared-memory kernels; then the
 # figures the open performance goals need: the host time of one layer step, the GPU timeline of
-# one step at 16384x8192x1280, the layer step against bf16 at five key shapes, and the casts at
-# 64 and 256 MB. Every section has its own time limit; the last lines are a table for
+# one step at 16384x8192x1280, the layer step against bf16 at five key shapes, the casts at 64
+# and 256 MB, and FP8AdamW's step against torch's fused AdamW. Every section has its own time limit; the last lines are a table for
 # bench/RESULTS.md, and all logs are packed into $OUT/logs.tar.gz.
 #
 # Needs: a CUDA build of torch, nvcc, pytest (pytest-xdist optional), compute-sanitizer, and the
@@ -99,8 +98,13 @@ if want quickbench; then
     --out "$OUT/results" > "$OUT/bench_cast.log" 2>&1
   rc=$?; record $rc bench_cast
 
+  section "bench/bench_optimizer.py: FP8AdamW's fused step against torch AdamW(fused=True)"
+  timeout 45 python3 bench/bench_optimizer.py --time-only --device cuda > "$OUT/bench_optimizer.log" 2>&1
+  rc=$?; record $rc bench_optimizer
+
   section "table for bench/RESULTS.md"
   cat "$OUT/env.txt"
+  echo; grep "^FP8AdamW step time" "$OUT/bench_optimizer.log"
   echo; echo "Host time of one layer step (bench/profile_linear.py):"
   grep -E "^== (bf16|current|delayed)(:python)? M=" "$OUT/profile_linear.log"
   echo; echo "GPU timeline of one step (bench/profile_linear.py --timeline 16384x8192x1280):"
