@@ -315,11 +315,13 @@ def test_torch_compile_traces_the_plain_ops():
 MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
 
 
-def _covered_elements(name, cfg, tokens):
+def _covered_elements(name, cfg, tokens, attention=False):
     """Elements of the covered ops' inputs in one step: the norms' (2 per block and the final
-    one) and the MLP activation's input (GELU: 4 d_model wide; SiLU: the SwiGLU width)."""
-    hidden = 4 * cfg.d_model if name == "gpt" else cfg.ffn_hidden
-    return tokens * ((2 * cfg.n_layer + 1) * cfg.d_model + cfg.n_layer * hidden)
+    one) and the MLP activation's input (GELU: 4 d_model wide; SiLU: the SwiGLU width, and the
+    SwiGLU product's other operand, as wide), with attention q, k and v (d_model each)."""
+    hidden = 4 * cfg.d_model if name == "gpt" else 2 * cfg.ffn_hidden
+    per_block = hidden + (3 * cfg.d_model if attention else 0)
+    return tokens * ((2 * cfg.n_layer + 1) * cfg.d_model + cfg.n_layer * per_block)
 
 
 def _saved_bytes(model, idx, ctx):
@@ -339,23 +341,27 @@ def _saved_bytes(model, idx, ctx):
     return by_dtype
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_model_step_saves_the_covered_inputs_in_half_the_bf16_bytes(name):
+@pytest.mark.parametrize("name, attention", [("gpt", False), ("llama", False),
+                                             ("llama", True)])
+def test_model_step_saves_the_covered_inputs_in_half_the_bf16_bytes(name, attention):
     model_cls, cfg_cls = MODELS[name]
     cfg = cfg_cls()
     model = model_cls(cfg).to(torch.bfloat16)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
     plain = _saved_bytes(model, idx, contextlib.nullcontext())
-    fp8 = _saved_bytes(model, idx, fp8ops.fp8_activations())
-    covered = _covered_elements(name, cfg, idx.numel())
+    fp8 = _saved_bytes(model, idx, fp8ops.fp8_activations(attention=attention))
+    covered = _covered_elements(name, cfg, idx.numel(), attention)
     assert torch.float8_e4m3fn not in plain
     assert fp8[torch.float8_e4m3fn] == covered  # 1 byte per covered element
     # each of them no longer saved in high precision (2 bytes or more: the plain RMSNorm keeps
-    # a float32 copy), for 1 byte and one float32 scale per 128 elements
-    scales = 4 * covered // 128
+    # a float32 copy), for 1 byte and one float32 scale per 128 elements (per row of a head)
+    scales = 4 * covered // min(128, cfg.d_model // cfg.n_head)
     high = (torch.bfloat16, torch.float32)
     assert sum(plain[d] - fp8[d] for d in high) >= 2 * covered - scales
     assert sum(plain.values()) - sum(fp8.values()) >= covered - scales
+    if name == "llama":  # the SwiGLU product saves neither bf16 operand (nor the silu output)
+        hidden = idx.numel() * cfg.ffn_hidden * cfg.n_layer
+        assert plain[torch.bfloat16] - fp8[torch.bfloat16] >= 2 * hidden * 2
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -379,8 +385,10 @@ def test_llama_step_peak_memory_shrinks():
         return snap["Total"]
 
     plain, fp8 = peak(contextlib.nullcontext()), peak(fp8ops.fp8_activations())
-    # measured 6.64 MB -> 5.44 MB: the peak is the end of forward, where the saved inputs sit
+    attention = peak(fp8ops.fp8_activations(attention=True))
+    # the peak is the end of forward, where the saved inputs sit
     assert fp8 < 0.9 * plain
+    assert attention < fp8
 
 
 def _train(with_fp8_activations, steps=20):
