@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -85,7 +86,6 @@ ATTENTION = {F.scaled_dot_product_attention: _attention}  # with fp8_activations
 # the mode as Tensor.mul
 MULTIPLIES = frozenset({torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
                         torch.Tensor.multiply, torch.mul, torch.multiply})
-_SILU_TAG = "_fp8ops_silu"  # attribute of a covered silu's output: its _SiluInput
 
 # set while a covered op runs (forward or the backward's recompute) on this thread: the plain op
 # inside must not be intercepted again by an enclosing fp8_activations context
@@ -134,14 +134,13 @@ def _autocast_state(device_type: str):
 
 
 class _SiluInput(NamedTuple):
-    """What a covered silu keeps of its input (data, scale_inv, recipe, shape, dtype), and what
-    tells its output apart: the context (mode) it ran in and the output's version then."""
+    """What a covered silu keeps of its input (data, scale_inv, recipe, shape, dtype), and its
+    output's version then (an in-place change to the output makes it no silu output)."""
     data: torch.Tensor
     scale_inv: torch.Tensor
     recipe: str
     shape: torch.Size
     dtype: torch.dtype
-    mode: object
     version: int
 
 
@@ -149,6 +148,31 @@ def _autocast_context(state, device_type: str):
     if state is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=state[1], enabled=state[0])
+
+
+def _detached(t):
+    # detached: a saved output kept with its grad_fn would hold its own graph in a cycle
+    return t.detach()
+
+
+def _same(t):
+    return t
+
+
+@contextlib.contextmanager
+def _plain_saves():
+    """Tensors saved for backward inside are kept as they are, whatever saved_tensors_hooks the
+    caller has set (where hooks are disabled, saving is plain already)."""
+    hooks = torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+    try:
+        hooks.__enter__()
+    except RuntimeError:
+        hooks = None
+    try:
+        yield
+    finally:
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
 
 class _SavedInFP8(torch.autograd.Function):
@@ -160,7 +184,8 @@ class _SavedInFP8(torch.autograd.Function):
         n = len(call.xs)
         xs, params = tensors[:n], tensors[n:]
         if call.grad_forward:
-            with torch.enable_grad():
+            # the throwaway graph's saved tensors skip the user's saved_tensors_hooks
+            with torch.enable_grad(), _plain_saves():
                 leaves = [t.detach().requires_grad_(t.requires_grad)
                           if t is not None and t.is_floating_point() else t for t in tensors]
                 out = call.op(*leaves).detach()
@@ -239,29 +264,23 @@ def _worth_saving(x) -> bool:
             and not x.is_nested and torch.is_grad_enabled())
 
 
-def _silu_input(t, mode) -> Optional[_SiluInput]:
-    """t's _SiluInput if t is the unmodified output of a covered silu of this context."""
-    tag = getattr(t, _SILU_TAG, None) if type(t) in _PLAIN_TENSORS else None
-    if tag is None or tag.mode is not mode or tag.version != t._version:
-        return None
-    return tag
-
-
 class _FP8ActivationMode(TorchFunctionMode):
     def __init__(self, recipe: str, fmt: FP8Format, attention: bool):
         super().__init__()
         self.recipe, self.fmt = recipe, fmt
         self.covered = {**COVERED, **ATTENTION} if attention else COVERED
+        # the live outputs of this context's covered silu calls: id -> (weakref, _SiluInput);
+        # a multiply looks its operands up here (two dict lookups; none while it is empty)
+        self.silu_outputs = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # torch.compile traces the plain ops: the FP8 copies are an eager-mode feature
         if func in MULTIPLIES:
-            if (len(args) == 2 and not kwargs and not getattr(_inside, "active", False)
-                    and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            if self.silu_outputs and len(args) == 2 and not kwargs:
                 return self._multiply(func, *args)
             return func(*args, **kwargs)
         bind = self.covered.get(func)
+        # torch.compile traces the plain ops: the FP8 copies are an eager-mode feature
         if bind is None or getattr(_inside, "active", False) or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         try:
@@ -276,20 +295,36 @@ class _FP8ActivationMode(TorchFunctionMode):
             out = _SavedInFP8.apply(call, self.recipe, self.fmt, sink, *call.xs, *call.params)
         if sink:  # a later multiply by this output saves its operands in FP8 (_SiluProduct)
             x = call.xs[0]
-            setattr(out, _SILU_TAG, _SiluInput(sink[0], sink[1], self.recipe, x.shape, x.dtype,
-                                               self, out._version))
+            self._track(out, _SiluInput(sink[0], sink[1], self.recipe, x.shape, x.dtype,
+                                        out._version))
         return out
+
+    def _track(self, out, silu_input):
+        outputs, key = self.silu_outputs, id(out)
+
+        def forget(ref):  # out is gone (its id may since be another silu output's)
+            if outputs.get(key, (None,))[0] is ref:
+                del outputs[key]
+
+        outputs[key] = (weakref.ref(out, forget), silu_input)
+
+    def _silu_input(self, t) -> Optional[_SiluInput]:
+        """t's _SiluInput if t is the unmodified output of a covered silu of this context."""
+        entry = self.silu_outputs.get(id(t))
+        if entry is None or entry[0]() is not t or entry[1].version != t._version:
+            return None
+        return entry[1]
 
     def _multiply(self, func, x, y):
         """silu(a) * b in either order: _SiluProduct; any other multiply runs plain."""
-        tag = _silu_input(x, self)
+        tag = self._silu_input(x)
         s_first = tag is not None
         if tag is None:
-            tag = _silu_input(y, self)
-        if tag is None:
-            return func(x, y)
+            tag = self._silu_input(y)
         s, b = (x, y) if s_first else (y, x)
-        if not _worth_saving(b):  # a number, float64, an empty tensor...: plain
+        # b a number, float64, an empty tensor...; grad disabled; torch.compile: plain
+        if (tag is None or not _worth_saving(b) or getattr(_inside, "active", False)
+                or torch.compiler.is_compiling()):
             return func(x, y)
         with _running_covered_op():
             return _SiluProduct.apply(tag, self.recipe, self.fmt, s_first, s, b)
