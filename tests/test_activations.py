@@ -389,9 +389,10 @@ def test_llama_step_peak_memory_shrinks():
 
     plain, fp8 = peak(contextlib.nullcontext()), peak(fp8ops.fp8_activations())
     attention = peak(fp8ops.fp8_activations(attention=True))
-    # the peak is the end of forward, where the saved inputs sit
+    # measured 6.64 MB, 5.41 MB (the SwiGLU product covered too), 4.84 MB with attention: the
+    # peak is the end of forward, where the saved inputs sit
     assert fp8 < 0.9 * plain
-    assert attention < fp8
+    assert attention < 0.95 * fp8
 
 
 def _train(with_fp8_activations, steps=20):
