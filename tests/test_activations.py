@@ -709,3 +709,19 @@ def test_attention_under_autocast():
     expect = _grads(ref, deq, grad_out)
     for g, e in zip(_grads(out, [q, k, v], grad_out), expect):
         assert g.dtype == torch.float32 and torch.equal(_bits(g), _bits(e))
+
+
+def test_attention_mask_that_needs_grad_gets_torchs_gradient():
+    q, k, v = _qkv(torch.float32)
+    mask = torch.randn(24, 24, requires_grad=True)
+    with fp8ops.fp8_activations(attention=True):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    *fp8, saved_mask = out.grad_fn.saved_tensors
+    data, scales = fp8[0::2], fp8[1::2]
+    assert all(d.dtype == torch.float8_e4m3fn for d in data) and saved_mask is mask
+    deq = [_dequantize_rows(d, s, x.shape, torch.float32).requires_grad_()
+           for d, s, x in zip(data, scales, (q, k, v))]
+    grad_out = torch.randn_like(out)
+    expect = _grads(F.scaled_dot_product_attention(*deq, attn_mask=mask), [*deq, mask], grad_out)
+    for g, e in zip(_grads(out, [q, k, v, mask], grad_out), expect):
+        assert torch.equal(g, e)
