@@ -19,7 +19,8 @@
    Llama (default d_model 256, 4 layers, batch 4 x 256 tokens; --peak-d-model, --peak-n-layer,
    --peak-seq, --peak-batch), per configuration, each adding one feature to the one before:
    float32 parameters under bf16 autocast with torch AdamW (the baseline); FP8 Linears in the
-   blocks; FP8AdamW; bf16 parameters; fp8_activations(); CPUOffloadOptimizer(FP8AdamW). The
+   blocks; FP8AdamW; bf16 parameters; fp8_activations(); fp8_activations(attention=True)
+   (attention's q, k, v in FP8 too); CPUOffloadOptimizer(FP8AdamW). The
    SECOND step is measured (the first makes the optimizer state), with torch's MemTracker
    (torch.distributed._tools.mem_tracker) on any device, plus torch.cuda.max_memory_allocated
    on CUDA (flagged when the two differ by more than 5%), and on CUDA the largest batch that
@@ -196,6 +197,7 @@ PEAK_CONFIGS = {
     "fp8_adamw": "+ FP8AdamW (fp32 params)",
     "bf16_params": "+ bf16 params (FP8AdamW, stochastic rounding)",
     "fp8_activations": "+ fp8_activations()",
+    "fp8_attention": "+ fp8_activations(attention=True)",
     "offload": "+ CPUOffloadOptimizer(FP8AdamW)",
 }
 PEAK_SIZES = {"default": dict(d_model=256, n_layer=4, seq=256, batch=4),
@@ -223,7 +225,7 @@ def build_peak_step(config, cfg, batch, device, seed=0):
         fp8ops.convert_to_fp8(model, fp8ops.CurrentScaling(), filter_fn=_blocks_only,
                               fallback="never")
     hyper = dict(lr=1e-4, weight_decay=0.1)
-    if level == 5:
+    if config == "offload":
         opt = fp8ops.CPUOffloadOptimizer(model.parameters(), fp8ops.FP8AdamW, **hyper)
     elif level >= 2:
         opt = fp8ops.FP8AdamW(model.parameters(), **hyper)
@@ -232,11 +234,12 @@ def build_peak_step(config, cfg, batch, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen).to(device)
     x, y = data[:, :-1], data[:, 1:]
-    act = level >= 4
+    act, attention = level >= 4, level >= 5
 
     def step(before_step=None, marks=None):
         with torch.autocast(device.type, dtype=torch.bfloat16), \
-                (fp8ops.fp8_activations() if act else contextlib.nullcontext()):
+                (fp8ops.fp8_activations(attention=attention) if act else
+                 contextlib.nullcontext()):
             loss = model(x, y)
         if marks is not None:
             marks("forward")

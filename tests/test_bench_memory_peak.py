@@ -5,14 +5,13 @@ the embedding and LM head 6% of them; 4 tokens a model dimension, so that activa
 of the baseline's peak, as in training without activation checkpointing).
 
 The goal, "bf16 parameters + FP8 Linears + FP8AdamW + FP8 activations" at <= 0.50x of the
-baseline's peak (float32 parameters, bf16 autocast, torch AdamW), is NOT met here: 0.556x of the
-baseline without the CPU emulation's kept scratch buffers (0.717x with them). The peak of both
-is at the start of backward, where the activations saved for backward are most of it; of the
-full configuration's 19.8 MB (less scratch), 13.2 MB are activations: the SwiGLU multiply's two
-bf16 operands and attention's q, k, v (v a view that keeps the whole qkv output) and output,
-which fp8_activations does not cover, the FP8 Linears' FP8 inputs and the FP8 weight casts
-(1-byte data plus its transposed copy: 2 bytes a parameter, as much as the bf16 parameter). The
-tests assert what holds, with a margin; the goal stays open. The scratch buffers
+baseline's peak (float32 parameters, bf16 autocast, torch AdamW), is met without the CPU
+emulation's kept scratch buffers once fp8_activations covers attention (the "fp8_attention" row,
+fp8_activations(attention=True)): 0.449x here (0.611x with the scratch buffers); without
+attention, fp8_activations() (its SwiGLU product included) is at 0.515x. The peak is at the
+start of backward, where the activations saved for it are the largest part; the FP8 weight
+casts (1-byte data plus its transposed copy: 2 bytes a parameter, as much as the bf16
+parameter) are next. The scratch buffers
 (fp8ops.ops.scratch, alive through the step) and the float32 decodes of FP8 operands are the
 emulation's: a GPU FP8 GEMM makes neither, so the CPU figures of the FP8
 configurations are upper bounds of a GPU's; the offload row is host plus device memory here, so
@@ -108,11 +107,14 @@ def test_each_feature_lowers_the_peak(rows):
     assert off["optimizer_state"] == 0 and off["gradients"] == 0
 
 
-def test_full_configuration_peak_what_holds(rows):
-    base, full = rows["baseline"], rows["fp8_activations"]
-    assert full["peak_less_scratch"] <= 0.60 * base["peak_less_scratch"]
-    assert full["peak"] <= 0.75 * base["peak"]
+def test_full_configuration_peak_meets_half_less_scratch(rows):
+    """The goal, without the emulation's scratch: measured 0.449x; with it 0.611x (a GPU FP8
+    GEMM keeps no such buffers). Without attention covered: 0.515x."""
+    base, full = rows["baseline"], rows["fp8_attention"]
+    assert full["peak_less_scratch"] <= 0.50 * base["peak_less_scratch"]
+    assert full["peak"] <= 0.65 * base["peak"]
     assert full["phase"] == "backward"
+    assert rows["fp8_activations"]["peak_less_scratch"] <= 0.55 * base["peak_less_scratch"]
 
 
 @pytest.mark.parametrize("limit, cap, expected", [
