@@ -622,3 +622,14 @@ def test_expert_cache_copies_and_device_moves():
         torch.__future__.set_swap_module_params_on_conversion(False)
     xb = x.to(torch.bfloat16)
     _same(layer(xb, _CACHE_OFFSETS), _uncached(layer, xb))
+
+
+def test_device_state_counts_the_cached_expert_casts():
+    from fp8ops.memory import device_state_bytes
+    layer = _cache_layer("current")
+    x, _ = _micro(0)
+    assert device_state_bytes(layer)["fp8_weights"] == 0
+    layer(x, _CACHE_OFFSETS).sum().backward()
+    data, data_t, scale_inv = layer.weight_cache.entry.payload[1]
+    want = sum(t.untyped_storage().nbytes() for t in (data, data_t, scale_inv))
+    assert device_state_bytes(layer)["fp8_weights"] == want == 2 * 4 * 72 * 136 + 4 * 4
