@@ -633,3 +633,15 @@ def test_device_state_counts_the_cached_expert_casts():
     data, data_t, scale_inv = layer.weight_cache.entry.payload[1]
     want = sum(t.untyped_storage().nbytes() for t in (data, data_t, scale_inv))
     assert device_state_bytes(layer)["fp8_weights"] == want == 2 * 4 * 72 * 136 + 4 * 4
+
+
+def test_compiled_layer_casts_every_call_and_leaves_the_cache_alone():
+    """Under torch.compile (fullgraph) the layer casts inside the graph: its cache is not used."""
+    torch._dynamo.reset()
+    layer = _cache_layer("current")
+    x, _ = _micro(0)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    y = compiled(x, _CACHE_OFFSETS)
+    y.sum().backward()
+    assert layer.weight_cache.entry is None
+    _same(y, _uncached(layer, x))
