@@ -305,7 +305,8 @@ def render(rows, names, info, args) -> str:
              "and torch._scaled_grouped_mm vs bf16 torch._grouped_mm (speed-up = baseline time / "
              "variant time; the baseline is bf16 grouped_mm, or the bf16 loop where it raised)",
              "", ", ".join(f"{k}: {v}" for k, v in info.items()), "", timing, "",
-             "| model | proj | E | K | N | M | routing | largest group | baseline | baseline ms | " +
+             "| model | proj | E | K | N | M | routing | largest group | baseline | "
+             "baseline ms | " +
              " | ".join(f"{v} speed-up" for v in others) + " |",
              "|---|---|---:|---:|---:|---:|---|---:|---|---:|" + "---:|" * len(others)]
     for (label, proj, e, k, n, m, routing, largest), row in rows:

@@ -73,9 +73,10 @@ def device_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
                        ) -> dict:
     """{"parameters", "gradients", "fp8_weights", "buffers", "optimizer_state", "total"}: bytes
     on the model's device of its parameters, their gradients, the FP8Linear layers' cached FP8
-    weights (and the experts' cached casts of the grouped layers), the model's buffers (FP8 scaling state included) and the optimizer's state (a torch
-    optimizer's; a CPUOffloadOptimizer keeps its state on the host). Count just before
-    optimizer.step() to include the gradients of a whole backward."""
+    weights (and the grouped layers' cached expert casts: expert_cast_tensors), the model's
+    buffers (FP8 scaling state included) and the optimizer's state (a torch optimizer's; a
+    CPUOffloadOptimizer keeps its state on the host). Count just before optimizer.step() to
+    include the gradients of a whole backward."""
     from .nn.modules import FP8Linear
     from .optim.offload import CPUOffloadOptimizer
 
