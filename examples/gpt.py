@@ -1,7 +1,9 @@
 """A small GPT (pre-LayerNorm decoder, causal self-attention, GELU MLP, learned positions).
 All the transformer's matmuls are nn.Linear (qkv, attention output, MLP up and down), which is
 what fp8ops.convert_to_fp8 replaces; the token embedding and the LM head stay nn.Embedding /
-nn.Linear named `tok_emb` / `lm_head` so a filter_fn can keep them in high precision."""
+nn.Linear named `tok_emb` / `lm_head` so a filter_fn can keep them in high precision. With
+n_expert > 0 each block's MLP is a mixture of experts instead (examples/moe.py: a top-k router
+over n_expert GELU MLPs held as 3-D parameters, which convert_to_fp8 runs as FP8 grouped GEMMs)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe import MoEMLP
 
 
 @dataclass
@@ -20,6 +24,8 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     dropout: float = 0.0
+    n_expert: int = 0  # > 0: a mixture-of-experts MLP of that many experts (examples/moe.py)
+    top_k: int = 2  # experts per token (with n_expert > 0)
 
 
 class Attention(nn.Module):
@@ -51,7 +57,9 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = (MoEMLP(cfg.d_model, cfg.n_expert, cfg.top_k, cfg.n_layer) if cfg.n_expert
+                    else MLP(cfg))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))

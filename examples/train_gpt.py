@@ -9,6 +9,7 @@ baseline, tokens/s, memory.
     python examples/train_gpt.py --offload          # fp8ops.CPUOffloadOptimizer(AdamW) instead
     python examples/train_gpt.py --optimizer fp8adamw   # fp8ops.FP8AdamW: moments in FP8
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
+    python examples/train_gpt.py --moe --recipes baseline,current,blockwise   # mixture of experts
 
 Presets (--size; every field can be overridden by its flag): cpu (the default: GPT d_model 128, 2
 layers, batch 16 x seq 64, 200 steps), tiny (GPT d_model 64, 1 layer, 6 steps: the tests'), gpu
@@ -53,6 +54,15 @@ scaling_fsdp.png (from its own monitor: the scales and underflow of its slice's 
 gradients; a weight gathered in FP8 is cast shard by shard inside FSDP2's all-gather, which the
 monitor does not sample); peak memory and device state are rank 0's (its shards). --fsdp with
 --offload is not supported yet.
+
+--moe: the GPT with each block's MLP a mixture of experts (examples/moe.py): a router (an
+nn.Linear kept in high precision) sends each token to its top 2 of --experts (default 4) GELU
+MLPs of the dense MLP's size, held as 3-D parameters up_proj [E, 4 d_model, d_model] and
+down_proj [E, d_model, 4 d_model]. convert_to_fp8 runs the experts as FP8 grouped GEMMs
+(fp8ops.grouped_linear, each expert's weight cast once per optimizer step) with the current and
+blockwise recipes; with the others (delayed, mxfp8, current_stochastic) the experts stay in high
+precision (a warning) and only the dense Linears go to FP8. The baseline runs the same module's
+own forward, a loop over the experts. GPT only; not with --fsdp or --offload.
 """
 from __future__ import annotations
 
@@ -162,7 +172,14 @@ def parse_args(argv=None):
                    help="how fp8adamw stores Adam's second moment (default sqrt_e4m3)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 over the ranks of torchrun (see the module doc)")
+    p.add_argument("--moe", action="store_true",
+                   help="each block's MLP a top-2 mixture of --experts GELU experts, run as FP8 "
+                        "grouped GEMMs by the current and blockwise recipes (see the module doc)")
+    p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --moe)")
     args = p.parse_args(argv)
+    if args.moe and (args.fsdp or args.offload):
+        p.error("--moe with --fsdp or --offload is not supported yet (the FP8 grouped layer has "
+                "neither FSDP2 nor offloading)")
     if args.fsdp and args.offload:
         p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
                 "FP32 masters, FSDP2 shards them): use one of them")
@@ -170,6 +187,8 @@ def parse_args(argv=None):
         # under --fsdp each rank keeps torchrun's threads (one per process on a shared CPU)
         if getattr(args, k) is None and not (k == "threads" and args.fsdp):
             setattr(args, k, v)
+    if args.moe and args.arch == "llama":
+        p.error("--moe takes --arch gpt (examples/moe.py's experts are GELU MLPs)")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 10)
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
@@ -302,8 +321,9 @@ def _free_port() -> int:
 def build_model(args) -> torch.nn.Module:
     """The --arch model of the run's sizes, on the current default device."""
     model_cls, cfg_cls = ARCHS[args.arch]
+    moe = dict(n_expert=args.experts) if getattr(args, "moe", False) else {}
     return model_cls(cfg_cls(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, d_model=args.d_model,
-                             n_layer=args.n_layer, n_head=args.n_head))
+                             n_layer=args.n_layer, n_head=args.n_head, **moe))
 
 
 def count_params(args) -> int:
@@ -318,8 +338,9 @@ def optimizer_name(args) -> str:
 
 
 def keep_high_precision(module, fqn):
-    """filter_fn for convert_to_fp8: only the transformer blocks' Linears go to FP8."""
-    return fqn.startswith("blocks.")
+    """filter_fn for convert_to_fp8: only the transformer blocks' Linears (and, with --moe, their
+    experts) go to FP8; a MoE router stays in high precision."""
+    return fqn.startswith("blocks.") and not fqn.endswith(".router")
 
 
 def lr_at(step, args):
@@ -431,8 +452,11 @@ def table(results, args, device, ranks):
                     f"{r['device_state_mib']:.2f} |")
     backend = fp8ops.backend(device)
     ffn = f"ffn_hidden={LlamaConfig(d_model=args.d_model).ffn_hidden} "
+    moe = (f"MoE: {args.experts} experts top-2 per block (router in high precision; experts in "
+           f"FP8 grouped GEMMs with current / blockwise, else high precision) "
+           if getattr(args, "moe", False) else "")
     head = (("GPT" if args.arch == "gpt" else "Llama-style") + f" d_model={args.d_model} "
-            f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") +
+            f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") + moe +
             f"params={count_params(args) / 1e6:.1f}M seq_len={args.seq_len} "
             f"batch={args.batch_size} steps={args.steps} lr={args.lr} seed={args.seed} "
             f"threads={torch.get_num_threads()}; device={device} "

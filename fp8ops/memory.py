@@ -54,6 +54,16 @@ def fp8_weight_tensors(layer) -> list:
     return [layer.weight, layer.weight.grad, *layer.fp8_state.weight_cache.payload_tensors()]
 
 
+def expert_cast_tensors(module) -> list:
+    """The cached FP8 casts of a mixture-of-experts module's 3-D weights: an FP8GroupedLinear's,
+    or those of a transformers experts module convert_to_fp8 converted (fp8_weight_caches)."""
+    caches = list(module.__dict__.get("fp8_weight_caches", {}).values())
+    cache = module.__dict__.get("weight_cache")
+    if cache is not None and hasattr(cache, "payload_tensors"):
+        caches.append(cache)
+    return [t for c in caches for t in c.payload_tensors()]
+
+
 def fp8_weight_bytes(layer) -> int:
     """Bytes of fp8_weight_tensors(layer), each storage once."""
     return _count(fp8_weight_tensors(layer), set())
@@ -63,9 +73,10 @@ def device_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
                        ) -> dict:
     """{"parameters", "gradients", "fp8_weights", "buffers", "optimizer_state", "total"}: bytes
     on the model's device of its parameters, their gradients, the FP8Linear layers' cached FP8
-    weights, the model's buffers (FP8 scaling state included) and the optimizer's state (a torch
-    optimizer's; a CPUOffloadOptimizer keeps its state on the host). Count just before
-    optimizer.step() to include the gradients of a whole backward."""
+    weights (and the grouped layers' cached expert casts: expert_cast_tensors), the model's
+    buffers (FP8 scaling state included) and the optimizer's state (a torch optimizer's; a
+    CPUOffloadOptimizer keeps its state on the host). Count just before optimizer.step() to
+    include the gradients of a whole backward."""
     from .nn.modules import FP8Linear
     from .optim.offload import CPUOffloadOptimizer
 
@@ -78,8 +89,9 @@ def device_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
     counts = {
         "parameters": _count(params, seen),
         "gradients": _count((p.grad for p in params if id(p.grad) not in host_grads), seen),
-        "fp8_weights": _count((t for m in model.modules() if isinstance(m, FP8Linear)
-                               for t in fp8_weight_tensors(m)), seen),
+        "fp8_weights": _count((t for m in model.modules()
+                               for t in (fp8_weight_tensors(m) if isinstance(m, FP8Linear)
+                                         else expert_cast_tensors(m))), seen),
         "buffers": _count(model.buffers(), seen),
         "optimizer_state": 0,
     }

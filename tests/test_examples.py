@@ -229,3 +229,55 @@ def test_train_gpt_fsdp_errors(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
                            "--fsdp", "--offload"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--fsdp with --offload is not supported" in proc.stderr
+
+
+def test_train_gpt_moe_tiny(tmp_path):
+    """--moe at the tiny preset: the baseline (the experts module's own loop) and the two
+    recipes that run the experts as FP8 grouped GEMMs train from the same weights and data; the
+    FP8 runs hold the experts' cached casts besides the dense layers' FP8 weights."""
+    md, res = _run_demo(tmp_path, "--moe", "--recipes", "baseline,current,blockwise")
+    assert "MoE: 4 experts top-2 per block" in md.split("\n")[0]
+    assert res["args"]["moe"] and res["args"]["experts"] == 4
+    results = res["results"]
+    assert [r["name"] for r in results] == ["baseline", "current", "blockwise"]
+    for r in results:
+        assert f"| {r['name']} |" in md
+        assert len(r["train_curve"]) == 3 and [s for s, _ in r["val_curve"]] == [3]
+        losses = r["train_curve"] + [v for _, v in r["val_curve"]]
+        assert all(math.isfinite(v) and 0 < v < 10 for v in losses), (r["name"], losses)
+        assert abs(r["train_curve"][0] - results[0]["train_curve"][0]) < 0.05
+        if r is not results[0]:
+            assert r["train_curve"] != results[0]["train_curve"]  # FP8 ran
+            assert r["device_state_mib"] > results[0]["device_state_mib"]
+
+
+def test_moe_experts_go_to_fp8():
+    """With --moe, convert_to_fp8 and the demo's filter_fn give each block's experts module the
+    FP8 grouped forward (both 3-D weights cached), keep the router and the LM head nn.Linear, and
+    take the attention Linears; a training step reaches every expert parameter. The module
+    without --moe is the dense GPT."""
+    got = _examples("""
+args = train_gpt.parse_args(['--size', 'tiny', '--moe', '--n-layer', '2'])
+model = train_gpt.build_model(args)
+train_gpt.fp8ops.convert_to_fp8(model, train_gpt.fp8ops.CurrentScaling(),
+                                filter_fn=train_gpt.keep_high_precision, fallback='never')
+kinds = {n: type(m).__name__ for n, m in model.named_modules()
+         if isinstance(m, torch.nn.Linear) or type(m).__name__ in ('FP8Linear', 'Experts')}
+experts = {n: sorted(m.fp8_weight_caches) for n, m in model.named_modules()
+           if type(m).__name__ == 'Experts' and 'fp8_recipe' in m.__dict__}
+x = torch.randint(0, 256, (2, 16))
+model(x, x).backward()
+grads = {n: bool(p.grad is not None and p.grad.abs().sum() > 0)
+         for n, p in model.named_parameters() if 'experts' in n}
+dense = train_gpt.build_model(train_gpt.parse_args(['--size', 'tiny']))
+print(json.dumps(dict(kinds=kinds, experts=experts, grads=grads,
+                      dense=[type(b.mlp).__name__ for b in dense.blocks])))
+""")
+    want = {f"blocks.{i}.{name}": kind for i in range(2)
+            for name, kind in (("attn.qkv", "FP8Linear"), ("attn.proj", "FP8Linear"),
+                               ("mlp.router", "Linear"), ("mlp.experts", "Experts"))}
+    assert got["kinds"] == {**want, "lm_head": "Linear"}
+    assert got["experts"] == {f"blocks.{i}.mlp.experts": ["down_proj", "up_proj"]
+                              for i in range(2)}
+    assert got["grads"] and all(got["grads"].values()), got["grads"]
+    assert got["dense"] == ["MLP"]

@@ -427,3 +427,221 @@ def test_autocast_does_not_reach_the_kernels(name):
         got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
         for g, w in zip(got, want):
             _same(g, w)
+
+
+# ----------------------------------------------------------------------------------------------
+# the weight cache: all experts of a weight cast once per optimizer step
+# ----------------------------------------------------------------------------------------------
+CACHE_RECIPES = {"current": fp8ops.CurrentScaling(), "blockwise": fp8ops.BlockwiseScaling()}
+
+
+@pytest.fixture
+def expert_casts(monkeypatch):
+    """Counts the experts' weight casts (every expert of a weight at once)."""
+    from fp8ops.nn import grouped
+    calls = []
+    for name in ("quantize_experts_current", "quantize_experts_blockwise"):
+        real = getattr(grouped, name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls.append(args[0].shape)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(grouped, name, counted)
+    return calls
+
+
+def _cache_layer(recipe, seed=0):
+    torch.manual_seed(seed)
+    return fp8ops.FP8GroupedLinear(4, 136, 72, bias=True, recipe=CACHE_RECIPES[recipe])
+
+
+def _micro(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(26, 136, generator=g), torch.randn(26, 72, generator=g)
+
+
+_CACHE_OFFSETS = _offsets([10, 0, 7, 9])
+
+
+def _uncached(layer, x):
+    """layer(x) from a fresh cast of its weight (no cache)."""
+    return fp8ops.grouped_linear(x, layer.weight, _CACHE_OFFSETS, layer.bias, recipe=layer.recipe)
+
+
+@pytest.mark.parametrize("recipe", sorted(CACHE_RECIPES))
+def test_expert_weights_are_cast_once_per_optimizer_step(recipe, expert_casts):
+    """Inside an accumulation window the cast is reused (the same FP8 tensors); before the
+    optimizer's first step nothing says one holds the weight: every micro-batch casts."""
+    layer = _cache_layer(recipe)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for window in range(3):
+        before = len(expert_casts)
+        payloads = []
+        for i in range(3):
+            x, t = _micro(10 * window + i)
+            torch.nn.functional.mse_loss(layer(x, _CACHE_OFFSETS), t).backward()
+            payloads.append(layer.weight_cache.entry.payload)
+        if window == 0:
+            assert len(expert_casts) - before == 3
+            assert payloads[1] is not payloads[0]
+        else:
+            assert len(expert_casts) - before == 1
+            assert payloads[1] is payloads[0] and payloads[2] is payloads[0]
+        opt.step()  # the next window's first forward casts the new values
+        opt.zero_grad()
+    assert all(shape == (4, 72, 136) for shape in expert_casts)  # all experts at once
+
+
+@pytest.mark.parametrize("recipe", sorted(CACHE_RECIPES))
+def test_cached_training_is_bit_equal_to_casting_every_call(recipe):
+    """The same training with the layer (its cache) and with grouped_linear and no cache: the
+    same outputs and gradients, bit for bit, every micro-batch."""
+    cached, plain = _cache_layer(recipe), _cache_layer(recipe)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cached, plain)]
+    for step in range(4):
+        for i in range(3):
+            x, t = _micro(10 * step + i)
+            y = cached(x, _CACHE_OFFSETS)
+            yp = _uncached(plain, x)
+            _same(y, yp)
+            torch.nn.functional.mse_loss(y, t).backward()
+            torch.nn.functional.mse_loss(yp, t).backward()
+            _same(cached.weight.grad, plain.weight.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        _same(cached.weight, plain.weight)
+
+
+def _held_layer(recipe):
+    """A layer whose weight an optimizer holds, mid-window: its cast would be reused."""
+    layer = _cache_layer(recipe)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x, t = _micro(0)
+    for _ in range(2):
+        torch.nn.functional.mse_loss(layer(x, _CACHE_OFFSETS), t).backward()
+        opt.step()
+        opt.zero_grad()
+    layer(x, _CACHE_OFFSETS).sum().backward()
+    return layer, opt, x
+
+
+@pytest.mark.parametrize("how", ["set p.data", "no_grad mul_", "no_grad copy_",
+                                 "p.data.add_ then invalidate()"])
+@pytest.mark.parametrize("recipe", sorted(CACHE_RECIPES))
+def test_every_write_of_the_experts_weight_reaches_the_next_forward(recipe, how, expert_casts):
+    layer, _, x = _held_layer(recipe)
+    cached = layer.weight_cache.entry.payload
+    layer(x, _CACHE_OFFSETS).sum().backward()
+    assert layer.weight_cache.entry.payload is cached  # inside the window: reused
+    new = torch.randn(layer.weight.shape)
+    w = layer.weight
+    if how == "set p.data":
+        w.data = new
+    elif how == "no_grad mul_":
+        with torch.no_grad():
+            w.mul_(2)
+    elif how == "no_grad copy_":
+        with torch.no_grad():
+            w.copy_(new)
+    else:
+        w.data.add_(new)  # no counter sees it, mid-window: the caller says so
+        layer.weight_cache.invalidate()
+    casts = len(expert_casts)
+    y = layer(x, _CACHE_OFFSETS)
+    assert len(expert_casts) == casts + 1
+    assert layer.weight_cache.entry.payload is not cached
+    _same(y, _uncached(layer, x))
+
+
+@pytest.mark.parametrize("recipe", sorted(CACHE_RECIPES))
+def test_expert_weights_recast_after_each_optimizer_step(recipe, expert_casts):
+    layer, opt, x = _held_layer(recipe)
+    for _ in range(3):
+        opt.step()  # the values move: the next forward casts them
+        opt.zero_grad()
+        casts = len(expert_casts)
+        y = layer(x, _CACHE_OFFSETS)
+        assert len(expert_casts) == casts + 1
+        _same(y, _uncached(layer, x))
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("recipe", sorted(CACHE_RECIPES))
+def test_without_an_optimizer_every_forward_casts(recipe, expert_casts):
+    """A hand-written loop (p.data updates) and eval forwards: no optimizer vouches, so every
+    forward casts, and every forward is what a fresh cast gives."""
+    layer = _cache_layer(recipe)
+    for step in range(3):
+        for i in range(2):
+            x, t = _micro(10 * step + i)
+            casts = len(expert_casts)
+            y = layer(x, _CACHE_OFFSETS)
+            assert len(expert_casts) == casts + 1
+            _same(y, _uncached(layer, x))
+            torch.nn.functional.mse_loss(y, t).backward()
+        for p in layer.parameters():
+            p.data.add_(p.grad, alpha=-0.1)  # no version bump
+            p.grad = None
+    with torch.no_grad():
+        casts = len(expert_casts)
+        layer(x, _CACHE_OFFSETS)
+        layer(x, _CACHE_OFFSETS)
+        assert len(expert_casts) == casts + 2
+
+
+def test_expert_cache_forgets_a_cast_of_another_recipe():
+    layer = _cache_layer("current")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    x, _ = _micro(0)
+    for _ in range(2):
+        layer(x, _CACHE_OFFSETS).sum().backward()
+        opt.step()
+    layer(x, _CACHE_OFFSETS).sum().backward()
+    layer.recipe = fp8ops.BlockwiseScaling()
+    _same(layer(x, _CACHE_OFFSETS), _uncached(layer, x))
+
+
+def test_expert_cache_copies_and_device_moves():
+    layer = _cache_layer("current")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x, _ = _micro(0)
+    for _ in range(2):
+        layer(x, _CACHE_OFFSETS).sum().backward()
+        opt.step()
+    import copy
+    import pickle
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert other.weight_cache.entry is None  # no FP8 payload travels
+        _same(other(x, _CACHE_OFFSETS), layer(x, _CACHE_OFFSETS))
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer.to(torch.bfloat16)  # swaps the parameters (weak references refused)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    xb = x.to(torch.bfloat16)
+    _same(layer(xb, _CACHE_OFFSETS), _uncached(layer, xb))
+
+
+def test_device_state_counts_the_cached_expert_casts():
+    from fp8ops.memory import device_state_bytes
+    layer = _cache_layer("current")
+    x, _ = _micro(0)
+    assert device_state_bytes(layer)["fp8_weights"] == 0
+    layer(x, _CACHE_OFFSETS).sum().backward()
+    data, data_t, scale_inv = layer.weight_cache.entry.payload[1]
+    want = sum(t.untyped_storage().nbytes() for t in (data, data_t, scale_inv))
+    assert device_state_bytes(layer)["fp8_weights"] == want == 2 * 4 * 72 * 136 + 4 * 4
+
+
+def test_compiled_layer_casts_every_call_and_leaves_the_cache_alone():
+    """Under torch.compile (fullgraph) the layer casts inside the graph: its cache is not used."""
+    torch._dynamo.reset()
+    layer = _cache_layer("current")
+    x, _ = _micro(0)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    y = compiled(x, _CACHE_OFFSETS)
+    y.sum().backward()
+    assert layer.weight_cache.entry is None
+    _same(y, _uncached(layer, x))

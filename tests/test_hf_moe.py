@@ -181,3 +181,46 @@ def test_converted_experts_compile_with_no_graph_break():
     weights = torch.rand(10, 2, generator=g)
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, index, weights), experts(x, index, weights))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])  # gpt-oss: experts stored [E, in, out]
+def test_experts_weights_cast_once_per_step_and_train_as_without_the_cache(name, monkeypatch):
+    """Two micro-batches per optimizer step: after the first step each 3-D parameter is cast
+    once per step (not once per micro-batch), and the losses and weights are those of the same
+    model casting every call (no caches), bit for bit."""
+    from fp8ops.nn import grouped
+    calls = []
+    real = grouped.quantize_experts_current
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grouped, "quantize_experts_current", counted)
+    cached, plain = _model(name), _model(name)
+    for model in (cached, plain):
+        fp8ops.convert_to_fp8(model)
+    (experts,) = _experts(cached)
+    assert set(experts.fp8_weight_caches) == {"gate_up_proj", "down_proj"}
+    _experts(plain)[0].fp8_weight_caches.clear()  # cast every call
+    losses, per_step = {}, {}
+    for key, model in (("cached", cached), ("plain", plain)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(3)
+        losses[key], per_step[key] = [], []
+        for _ in range(3):
+            before = len(calls)
+            for _ in range(2):
+                loss = model(**_batch(gen)).loss
+                loss.backward()
+                losses[key].append(loss.item())
+            per_step[key].append(len(calls) - before)
+            opt.step()
+            opt.zero_grad()
+    assert per_step["plain"] == [4, 4, 4]  # two weights, two micro-batches
+    assert per_step["cached"] == [4, 2, 2]  # no holder before the first step
+    assert losses["cached"] == losses["plain"]
+    for (pname, p), (_, q) in zip(cached.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p, q), pname
+    fp8ops.convert_from_fp8(cached)
+    assert "fp8_weight_caches" not in experts.__dict__

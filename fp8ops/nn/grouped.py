@@ -9,8 +9,16 @@ grouped FP8 GEMMs, as fp8ops.linear's three dense ones, group by group:
   wgrad    dW_g = dY_g^T X_g    grouped_gemm_wgrad(dY^T, X^T)
 Current scaling scales each group of X and dY by its own amax and each expert's weight by its
 own: a scale per group is what a loop of fp8ops.linear over the experts uses, so the layer gives
-that loop's bytes. Not here yet: the weight cache (the weight is cast every call), delayed
-scaling, MXFP8, stochastic rounding and FSDP2.
+that loop's bytes.
+
+The weight cache: given a WeightCache (FP8GroupedLinear holds one, as do converted transformers
+experts modules, one per 3-D parameter), all experts of a weight are cast in one go and that cast
+is reused under WeightCache's rule, the dense layers' (scaling/weight_cache.py): only while a
+live optimizer holds the weight, its generation has not moved (an optimizer step) and the
+weight's gradient is still the one this cast's backward accumulated; so once per optimizer step
+across the micro-batches of an accumulation window, and every forward without an optimizer.
+Without a cache, under torch.compile and during CUDA graph capture the weight is cast every call.
+Not here yet: delayed scaling, MXFP8, stochastic rounding and FSDP2.
 """
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ import torch
 from torch import nn
 
 from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
-from ..scaling import BlockwiseScaling, CurrentScaling, check_recipe, grad_margin, recipe_formats
+from ..scaling import (BlockwiseScaling, CurrentScaling, WeightCache, check_recipe, grad_margin,
+                       recipe_formats)
 from .autograd import first_order_only, output_dtype
 
 _ops = torch.ops.fp8ops
@@ -48,20 +57,55 @@ def _bias_grad(dy: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> t
     return sums.index_add_(0, expert, dy.to(_F32))[:-1].to(bias.dtype)
 
 
+def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache]) -> tuple:
+    """The FP8 copies of all experts' weights, as the recipe's Function takes them: from the
+    cache when its rule allows (module doc), else cast now (and kept in the cache)."""
+    fwd, _ = recipe_formats(recipe)
+    p2 = recipe.power_of_two
+    blockwise = isinstance(recipe, BlockwiseScaling)
+
+    def cast(w, step, scale):  # (weight_cache.Cast: no delayed scaling, so no step, no scale)
+        w = w.detach()
+        if blockwise:
+            tensors = quantize_experts_blockwise(w, fwd.dtype, p2)
+        else:
+            data, data_t, _, scale_inv = quantize_experts_current(w, fwd.dtype, recipe.margin,
+                                                                  p2)
+            tensors = (data, data_t, scale_inv)
+        return (recipe, tensors), None  # no per-tensor scale: one per expert, or blocks
+
+    with torch.no_grad():
+        if (cache is None or torch.compiler.is_compiling()
+                or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return cast(weight, False, None)[0][1]
+        made, tensors = cache.get(weight, cast, live=False)
+        if made != recipe:  # the layer's recipe changed since that cast
+            cache.invalidate()
+            made, tensors = cache.get(weight, cast, live=False)
+        return tensors
+
+
+def _vouch_grad(cache: Optional[WeightCache], dw) -> None:
+    """dw comes from the cached cast: its accumulation into .grad vouches for that cast (eager
+    only: a compiled call casts every time)."""
+    if cache is not None and dw is not None and not torch.compiler.is_compiling():
+        cache.expect_grad()
+
+
 class GroupedLinearCurrent(torch.autograd.Function):
     """Current scaling: one scale per group of X and dY, one per expert of W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype):
+    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype, w_cast, cache):
         fwd, bwd = recipe_formats(recipe)
         p2 = recipe.power_of_two
         xq, xq_t, _, x_scale_inv = _ops.quantize_current_grouped(x, offsets, fwd.dtype,
                                                                  recipe.margin, p2, True)
-        wq, wq_t, _, w_scale_inv = quantize_experts_current(weight.detach(), fwd.dtype,
-                                                            recipe.margin, p2)
+        wq, wq_t, w_scale_inv = w_cast
         y = _ops.grouped_gemm(xq, wq, offsets, x_scale_inv, w_scale_inv, bias, out_dtype)
         ctx.save_for_backward(xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias)
         ctx.meta = (bwd, grad_margin(recipe), p2, x.dtype)
+        ctx.cache = cache
         return y
 
     @staticmethod
@@ -79,23 +123,25 @@ class GroupedLinearCurrent(torch.autograd.Function):
         if need_dw:
             dw = _weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
                 gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
+            _vouch_grad(ctx.cache, dw)
         if need_db and bias is not None:
             db = _bias_grad(dy, offsets, bias)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class GroupedLinearBlockwise(torch.autograd.Function):
     """DeepSeek-V3 blocks: X and dY in 1x128 blocks (per group), W in 128x128 blocks."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype):
+    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype, w_cast, cache):
         fwd, bwd = recipe_formats(recipe)
         p2 = recipe.power_of_two
         x_data, x_si, xt_data, xt_si = _ops.quantize_blockwise_grouped(x, offsets, fwd.dtype, p2)
-        w_data, w_si, wt_data, wt_si = quantize_experts_blockwise(weight.detach(), fwd.dtype, p2)
+        w_data, w_si, wt_data, wt_si = w_cast
         y = _ops.grouped_gemm_blockwise(x_data, w_data, offsets, x_si, w_si, bias, out_dtype)
         ctx.save_for_backward(xt_data, xt_si, wt_data, wt_si, offsets, weight, bias)
         ctx.meta = (bwd, p2, x.dtype)
+        ctx.cache = cache
         return y
 
     @staticmethod
@@ -112,9 +158,10 @@ class GroupedLinearBlockwise(torch.autograd.Function):
         if need_dw:
             dw = _weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad_blockwise(
                 gt_data, xt_data, offsets, gt_si, xt_si, dtype))
+            _vouch_grad(ctx.cache, dw)
         if need_db and bias is not None:
             db = _bias_grad(dy, offsets, bias)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _check(x, weight, offsets, bias) -> None:
@@ -157,29 +204,39 @@ def _check_grouped_recipe(recipe):
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None, *, recipe=None) -> torch.Tensor:
+                   bias: Optional[torch.Tensor] = None, *, recipe=None,
+                   weight_cache: Optional[WeightCache] = None) -> torch.Tensor:
     """y_g = x_g @ weight[g].T (+ bias[g]) for each expert g, with FP8 GEMMs in forward and
     backward. x [M, in] sorted by expert, weight [E, out, in], offsets int32 [E] (expert g's
     rows end at offsets[g]; rows past offsets[-1] give zero rows), bias [E, out] or None.
     Returns [M, out] in x's dtype (under torch.autocast, the autocast dtype); the gradients come
     in x's and the weight's dtypes. recipe: None (current scaling, a scale per expert) or
-    fp8ops.CurrentScaling / fp8ops.BlockwiseScaling."""
+    fp8ops.CurrentScaling / fp8ops.BlockwiseScaling. weight_cache: a WeightCache (one per
+    weight) that keeps the experts' FP8 cast between calls under the dense layers' reuse rule
+    (module doc); None: cast every call."""
     _check(x, weight, offsets, bias)
     recipe = _check_grouped_recipe(recipe)
     function = (GroupedLinearBlockwise if isinstance(recipe, BlockwiseScaling)
                 else GroupedLinearCurrent)
+    if weight_cache is not None and torch.compiler.is_compiling():
+        weight_cache = None  # (a compiled call casts every time)
     out_dtype = output_dtype(x)
     if out_dtype == x.dtype:
-        return function.apply(x, weight, bias, offsets, recipe, out_dtype)
+        w_cast = _cast_experts(weight, recipe, weight_cache)
+        return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
     with torch.autocast(x.device.type, enabled=False):  # the output's dtype is decided
-        return function.apply(x, weight, bias, offsets, recipe, out_dtype)
+        w_cast = _cast_experts(weight, recipe, weight_cache)
+        return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
 
 
 class FP8GroupedLinear(nn.Module):
     """E linear layers of the same shape (the experts of a mixture-of-experts layer) applied to
     tokens sorted by expert, with FP8 GEMMs: forward(x [M, in], offsets int32 [E]) -> [M, out].
     weight [E, out, in] (and bias [E, out] when bias=True), each expert initialized as
-    nn.Linear initializes its weight."""
+    nn.Linear initializes its weight. `weight_cache` (a WeightCache) keeps the experts' FP8 cast
+    between calls: one cast per optimizer step for all experts (module doc); call
+    `weight_cache.invalidate()` after changing the weight where an optimizer that holds it
+    cannot see it (a `p.data` update between its steps)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  recipe=None, *, device=None, dtype=None):
@@ -191,17 +248,30 @@ class FP8GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
         self.bias = (nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias
                      else None)
+        self.weight_cache = WeightCache()
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply may swap the weight for a new tensor (torch.utils.swap_tensors), which
+        # refuses a tensor with weak references: the cache drops its own meanwhile
+        cache = self.__dict__.get("weight_cache")
+        if cache is None:
+            return super()._apply(fn, recurse)
+        with cache.unreferenced(self._parameters.get("weight")):
+            return super()._apply(fn, recurse)
 
     def reset_parameters(self) -> None:
         for g in range(self.num_experts):  # each expert as nn.Linear would be
             nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+        if "weight_cache" in self.__dict__:
+            self.weight_cache.invalidate()
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, offsets, self.bias, recipe=self.recipe)
+        return grouped_linear(x, self.weight, offsets, self.bias, recipe=self.recipe,
+                              weight_cache=self.__dict__.get("weight_cache"))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

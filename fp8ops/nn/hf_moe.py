@@ -11,7 +11,10 @@ convert_experts gives such a module a forward of its own (an instance attribute 
 that sorts the token-expert pairs by expert and runs both projections through
 fp8ops.grouped_linear; the parameters stay where they are, under their names, so
 save_pretrained / from_pretrained and state_dict are untouched. The gating between the
-projections is the module's own (`_apply_gate`, or `act_fn` without gating).
+projections is the module's own (`_apply_gate`, or `act_fn` without gating). Each 3-D parameter
+has a WeightCache of its own (`fp8_weight_caches`, by parameter name): all its experts are cast
+once per optimizer step (fp8ops.nn.grouped); `fp8_weight_caches[name].invalidate()` after a
+`p.data` update between the steps of the optimizer that holds it.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..scaling import BlockwiseScaling, CurrentScaling
+from ..scaling import BlockwiseScaling, CurrentScaling, WeightCache
 from .grouped import grouped_linear
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
@@ -69,6 +72,9 @@ def convert_experts(module: nn.Module, recipe,
             raise NotImplementedError("convert_to_fp8: expert-parallel experts modules are not "
                                       "supported by the FP8 grouped layer yet")
         mod.fp8_recipe = recipe
+        mod.fp8_weight_caches = {name: WeightCache() for name in
+                                 ("gate_up_proj", "up_proj", "down_proj")
+                                 if isinstance(getattr(mod, name, None), nn.Parameter)}
         mod.forward = functools.partial(fp8_experts_forward, mod)
         kinds[type(mod).__name__] += 1
     return kinds
@@ -79,6 +85,7 @@ def restore_experts(module: nn.Module) -> None:
     for mod in module.modules():
         if "fp8_recipe" in mod.__dict__:
             del mod.fp8_recipe
+            mod.__dict__.pop("fp8_weight_caches", None)
             mod.__dict__.pop("forward", None)
 
 
@@ -102,11 +109,14 @@ def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index
     gated = getattr(mod, "has_gate", True)
     up_name = "gate_up_proj" if gated else "up_proj"
     bias = getattr(mod, "has_bias", False)
+    caches = mod.__dict__.get("fp8_weight_caches", {})
     h = grouped_linear(x, _weight(mod, up_name), offsets,
-                       getattr(mod, up_name + "_bias") if bias else None, recipe=mod.fp8_recipe)
+                       getattr(mod, up_name + "_bias") if bias else None, recipe=mod.fp8_recipe,
+                       weight_cache=caches.get(up_name))
     h = mod._apply_gate(h) if gated else mod.act_fn(h)
     out = grouped_linear(h, _weight(mod, "down_proj"), offsets,
-                         mod.down_proj_bias if bias else None, recipe=mod.fp8_recipe)
+                         mod.down_proj_bias if bias else None, recipe=mod.fp8_recipe,
+                         weight_cache=caches.get("down_proj"))
     if getattr(mod, "has_post_expert_norm", False):
         out = mod.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
