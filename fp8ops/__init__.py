@@ -16,6 +16,7 @@ from . import ops  # noqa: F401  (defines the torch.ops.fp8ops operators)
 from .formats import E4M3, E5M2, FP8Format
 from .monitoring import monitor, stats, unmonitor
 from .nn.activations import fp8_activations
+from .nn.caches import invalidate
 from .nn.fallback import Crossover
 from .nn.functional import linear
 from .nn.grouped import FP8GroupedLinear, grouped_linear
@@ -73,5 +74,5 @@ __all__ = [
     "BlockwiseScaling", "ScalingState", "FP8Linear", "FP8Conv1D", "convert_to_fp8",
     "convert_from_fp8", "plain_state_dict", "CPUOffloadOptimizer", "backend", "Float8Tensor",
     "MXTensor", "BlockwiseTensor", "monitor", "stats", "unmonitor", "Crossover", *_LAZY,
-    "FP8AdamW", "FP8Adam", "fp8_activations", "grouped_linear", "FP8GroupedLinear",
+    "FP8AdamW", "FP8Adam", "fp8_activations", "grouped_linear", "FP8GroupedLinear", "invalidate",
 ]
