@@ -4,6 +4,7 @@ the initialization and the batch order, the same for every recipe). The baseline
 the seeds is the noise that an FP8 gap has to be compared with.
 
     python bench/bench_quality.py [--seeds 0,1,2,3,4] [--steps 600] [--recipes ...] [--device cpu]
+    python bench/bench_quality.py --optimizer fp8adamw --param-dtype bfloat16 --fp8-activations on
 
 Writes bench/results/quality.md (mean validation gap per recipe and its spread) and
 bench/results/quality.png, and prints the table. Defaults take about 20 minutes on 2 CPU cores.
@@ -33,6 +34,10 @@ def main():
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--recipes", default=RECIPES)
     ap.add_argument("--device", default="cpu")
+    # the memory configurations (examples/train_gpt.py's flags of the same names)
+    ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--param-dtype", default="float32")
+    ap.add_argument("--fp8-activations", default="off")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -42,7 +47,10 @@ def main():
     for seed in seeds:
         targs = train_gpt.parse_args(["--size", "cpu", "--steps", str(args.steps), "--seed",
                                       str(seed), "--device", args.device, "--no-progress",
-                                      "--monitor-every", "0", "--recipes", ",".join(recipes)])
+                                      "--monitor-every", "0", "--recipes", ",".join(recipes),
+                                      "--optimizer", args.optimizer, "--param-dtype",
+                                      args.param_dtype, "--fp8-activations",
+                                      args.fp8_activations])
         train_tokens, val_tokens = train_gpt.load_tokens()
         val_batches = train_gpt.fixed_batches(val_tokens, targs.eval_batches, targs.batch_size,
                                               targs.seq_len, seed=12345)  # one validation set
@@ -64,7 +72,9 @@ def main():
     spread = 100 * (max(base) - min(base)) / base_mean  # the baseline's seed-to-seed range
     lines = ["# FP8 training quality against seed noise", "",
              f"GPT of the demo (d_model {targs.d_model}, {targs.n_layer} layers), {args.steps} "
-             f"steps, seeds {seeds}, device {args.device}, {time.time() - start:.0f} s in all. "
+             f"steps, seeds {seeds}, device {args.device}, optimizer {args.optimizer}, parameters "
+             f"{args.param_dtype}, fp8_activations {args.fp8_activations}, "
+             f"{time.time() - start:.0f} s in all. "
              f"Baseline seed spread (max - min of its validation loss): {spread:.2f}%.", "",
              "| recipe | mean val loss | mean gap vs baseline (paired by seed) | gap std | "
              "inside baseline spread | goal |", "|---|---:|---:|---:|---|---|"]

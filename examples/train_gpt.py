@@ -8,6 +8,7 @@ baseline, tokens/s, memory.
     python examples/train_gpt.py --arch llama       # any preset with the other architecture
     python examples/train_gpt.py --offload          # fp8ops.CPUOffloadOptimizer(AdamW) instead
     python examples/train_gpt.py --optimizer fp8adamw   # fp8ops.FP8AdamW: moments in FP8
+    python examples/train_gpt.py --optimizer fp8adamw --param-dtype bfloat16 --fp8-activations on
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
     python examples/train_gpt.py --moe --recipes baseline,current,blockwise   # mixture of experts
 
@@ -37,6 +38,11 @@ FP32 masters and the optimizer state on the host, the FP8 layers' weights on the
 only. The "device state" column counts exactly (fp8ops.memory.device_state_bytes, just before the
 last optimizer step) the device bytes of the parameters, gradients, cached FP8 weights, FP8
 scaling state and optimizer state; on a CPU-only machine, what a GPU would hold.
+Memory: --param-dtype bfloat16 makes the parameters bf16 (with FP8AdamW their updates are
+stochastically rounded, and no float32 copy exists); --fp8-activations on (attention) runs the
+FP8 runs' steps inside fp8ops.fp8_activations, which saves the norm, GELU/SiLU and SwiGLU inputs
+(and attention's q, k, v) for backward in FP8. The "peak mem" column shows what each changes
+(bench/bench_memory.py --peak counts it exactly, feature by feature).
 Outputs in --out-dir: results.md (the table), loss_curves.png, scaling.png (each FP8 layer's scale
 and gradient underflow over the run, from fp8ops.monitor), results.json.
 
@@ -170,6 +176,12 @@ def parse_args(argv=None):
                    help="adamw (torch) or fp8adamw (fp8ops.FP8AdamW: moments in FP8)")
     p.add_argument("--second-moment", choices=SECOND_MOMENTS, default="sqrt_e4m3",
                    help="how fp8adamw stores Adam's second moment (default sqrt_e4m3)")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the parameters' dtype (bfloat16 with --optimizer fp8adamw: no float32 "
+                        "copy of the weights anywhere)")
+    p.add_argument("--fp8-activations", choices=("off", "on", "attention"), default="off",
+                   help="FP8 runs: norm, activation and SwiGLU inputs saved for backward in FP8 "
+                        "(fp8ops.fp8_activations; 'attention': attention's q, k, v too)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 over the ranks of torchrun (see the module doc)")
     p.add_argument("--moe", action="store_true",
@@ -365,7 +377,7 @@ def run(name, args, train_tokens, val_batches, ranks):
     device = ranks.device
     recipe = RECIPES[name]()
     torch.manual_seed(args.seed)
-    model = build_model(args).to(device)
+    model = build_model(args).to(device, getattr(torch, args.param_dtype))
     if recipe is not None:
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision,
                               fallback=args.fallback)
@@ -389,6 +401,10 @@ def run(name, args, train_tokens, val_batches, ranks):
             return torch.autocast("cuda", dtype=torch.bfloat16)
     else:
         autocast = nullcontext
+    saved_in_fp8 = nullcontext
+    if recipe is not None and args.fp8_activations != "off":
+        def saved_in_fp8():
+            return fp8ops.fp8_activations(attention=args.fp8_activations == "attention")
     bar = range(args.steps)
     if not args.no_progress and ranks.main:
         from tqdm import tqdm
@@ -403,7 +419,7 @@ def run(name, args, train_tokens, val_batches, ranks):
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args)
-            with autocast():
+            with autocast(), saved_in_fp8():
                 loss = model(x, y)
             loss.backward()
             if args.offload:
@@ -461,7 +477,8 @@ def table(results, args, device, ranks):
             f"batch={args.batch_size} steps={args.steps} lr={args.lr} seed={args.seed} "
             f"threads={torch.get_num_threads()}; device={device} "
             f"({'bf16 autocast' if device.type == 'cuda' else 'float32'} baseline); optimizer="
-            f"{optimizer_name(args)}; "
+            f"{optimizer_name(args)}; parameters {args.param_dtype}; fp8_activations "
+            f"{args.fp8_activations}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
                f"state of rank 0); " if ranks.fsdp else "") + "fp8ops backend="
             f"{backend} ({backend.reason}); FP8: blocks' Linears only, fallback={args.fallback} "

@@ -107,6 +107,24 @@ def test_train_gpt_llama_tiny(tmp_path):
     assert results[1]["device_state_mib"] > results[0]["device_state_mib"]  # + FP8 weights
 
 
+def test_train_gpt_memory_flags_tiny(tmp_path):
+    """FP8AdamW over bf16 parameters and the FP8 runs' activations saved in FP8: the table says
+    so, the state is FP8AdamW's (smaller than AdamW's), and both runs start from the same
+    weights and data and train."""
+    plain_md, plain = _run_demo(tmp_path / "plain", "--arch", "llama", "--d-model", "128",
+                                "--seq-len", "64")
+    md, res = _run_demo(tmp_path / "lean", "--arch", "llama", "--d-model", "128", "--seq-len",
+                        "64", "--optimizer", "fp8adamw", "--param-dtype", "bfloat16",
+                        "--fp8-activations", "attention")
+    assert "FP8AdamW(sqrt_e4m3); parameters bfloat16; fp8_activations attention" in md
+    assert "AdamW; parameters float32; fp8_activations off" in plain_md
+    for lean, base in zip(res["results"], plain["results"]):
+        assert abs(lean["train_curve"][0] - base["train_curve"][0]) < 0.05  # bf16 weights
+        assert all(math.isfinite(v) and 0 < v < 10 for v in lean["train_curve"])
+        # bf16 parameters and gradients, 2-byte moments against float32 and 8
+        assert lean["device_state_mib"] < 0.5 * base["device_state_mib"], (lean, base)
+
+
 def _examples(code: str):
     """What `code` prints as JSON, run beside examples/train_gpt.py in a fresh interpreter (the
     demo's modules, data.py among them, stay out of the test process)."""
