@@ -125,7 +125,7 @@ def _cuda_extension(torch, cpp_extension):
     if cutlass is None:
         raise RuntimeError("fp8ops: CUTLASS headers not found. `pip install --no-deps "
                            "nvidia-cutlass` or set CUTLASS_PATH, or FP8OPS_SKIP_CUDA_BUILD=1.")
-    sources = sorted(glob.glob("csrc/*.cu")) + ["csrc/torch_bindings.cpp"]
+    sources = sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/bindings/*.cpp"))
     sass, ptx = parse_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS)
     _write_build_info(sass, ptx, cutlass_gemm=True)
     nvcc = ["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-lineinfo",

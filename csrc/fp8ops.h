@@ -1,6 +1,6 @@
 // fp8ops kernel API: torch-free. Plain parameter structs (pointers, sizes, strides) and launch_*()
 // functions; every launch runs on the given stream and throws std::runtime_error on a CUDA error.
-// The only torch-aware C++ is torch_bindings.cpp. Numerics: docs/design.md, with
+// The torch-aware C++ of fp8ops._C is csrc/bindings/. Numerics: docs/design.md, with
 // fp8ops/ops/emulation.py as the bit-exact reference.
 #pragma once
 #include <cstdint>

@@ -1,4 +1,4 @@
-"""The fused casts' CUDA kernels (csrc/torch_bindings.cpp, scaling.cu) against their definition
+"""The fused casts' CUDA kernels (csrc/bindings/casts.cpp, scaling.cu) against their definition
 (fp8ops/ops/fused.py run on the same CUDA tensors, i.e. the unfused ops' kernels), bit for bit: data,
 scales, column sums, and every buffer a delayed-scaling cast changes in place."""
 import itertools

@@ -8,7 +8,7 @@ ours for it). The grouped ops of mixture-of-experts layers: grouped.py (schemas,
 emulation_grouped.py (their emulation) and expert_casts.py (an experts' weight cast per expert).
 
 CPU kernels come from `emulation`. CUDA kernels come from the C++ extension `fp8ops._C`
-(csrc/torch_bindings.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `backend.load_extension()`
+(csrc/bindings/*.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `backend.load_extension()`
 loads it; otherwise the emulation serves CUDA tensors too. Call ops as torch.ops.fp8ops.<name>.
 """
 from __future__ import annotations
