@@ -12,12 +12,17 @@ from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Sc
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check(input, weight, bias):
+def check_operands(input, weight) -> None:
+    """Both operands of an FP8 layer are tensors of a dtype the casts take (grouped.py too)."""
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _check(input, weight, bias):
+    check_operands(input, weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape "
                          f"{tuple(weight.shape)}")

@@ -32,10 +32,10 @@ from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_curr
 from ..scaling import (BlockwiseScaling, CurrentScaling, WeightCache, check_recipe, grad_margin,
                        recipe_formats)
 from .autograd import first_order_only, output_dtype
+from .functional import check_operands
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _weight_grad(weight: torch.Tensor, wgrad) -> Optional[torch.Tensor]:
@@ -165,11 +165,7 @@ class GroupedLinearBlockwise(torch.autograd.Function):
 
 
 def _check(x, weight, offsets, bias) -> None:
-    for name, t in (("input", x), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    check_operands(x, weight)
     if weight.dim() != 3:
         raise ValueError(f"weight must be 3-D [experts, out_features, in_features], got shape "
                          f"{tuple(weight.shape)}")
