@@ -1,6 +1,9 @@
-"""Facts about the FP8 formats (E4M3, E5M2) and the E8M0 block-scale byte."""
+"""Facts about the FP8 formats (E4M3, E5M2) and the E8M0 block-scale byte, and the rounding of a
+host scalar to float32 (the type every scale and step constant is computed in)."""
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -42,3 +45,11 @@ def get_format(fmt) -> FP8Format:
         return _BY_NAME[fmt.lower()]
     raise ValueError(f"unknown FP8 format {fmt!r}; expected 'e4m3', 'e5m2', fp8ops.E4M3/E5M2 or "
                      "torch.float8_e4m3fn / torch.float8_e5m2")
+
+
+def round_f32(v: float) -> float:
+    """The float32 nearest to the Python float v (ties to even, overflow to inf)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)

@@ -161,7 +161,7 @@ def first_order_only(backward):
     return wrapper
 
 
-def _wgrad(weight: torch.Tensor, gemm) -> Optional[torch.Tensor]:
+def weight_grad(weight: torch.Tensor, gemm) -> Optional[torch.Tensor]:
     """dW from gemm(out_dtype): written in the parameter's dtype by the GEMM itself (no float32
     temporary, no conversion pass), or in float32 and added to weight.main_grad when the weight
     has one (returning no .grad)."""
@@ -251,7 +251,7 @@ class PerTensorLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _ops.gemm(gq, w_data_t, g_scale_inv, w_scale_inv, None, ctx.x_dtype, False)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(weight, lambda dtype: _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv,
+            dw = weight_grad(weight, lambda dtype: _ops.gemm(gq_t, xq_t, g_scale_inv, x_scale_inv,
                                                         None, dtype, False))
             if eager and dw is not None and state is not None:
                 state.weight_cache.expect_grad()  # (as _vouching_grad)
@@ -391,7 +391,7 @@ class MXLinear(torch.autograd.Function):
             dx = _ops.gemm_mx(g_data, g_scales, w_col_t, w_col_t_scales, None, x_dtype,
                               bs)[:, :K]
         if need_dw:
-            dw = _wgrad(weight, lambda dtype: _ops.gemm_mx(
+            dw = weight_grad(weight, lambda dtype: _ops.gemm_mx(
                 gc_data.t(), gc_scales.t(), xc_t, xc_t_scales, None, dtype, bs)[:N, :K])
             _vouching_grad(ctx.state, dw)
         return dx, dw, db, None, None, None, None, None
@@ -462,7 +462,7 @@ class BlockwiseLinear(torch.autograd.Function):
             dx = _ops.gemm_blockwise(g_data, w_data_t, g_scale_inv, w_t_scale_inv, None,
                                      x_dtype)
         if need_dw:
-            dw = _wgrad(weight, lambda dtype: _ops.gemm_blockwise(
+            dw = weight_grad(weight, lambda dtype: _ops.gemm_blockwise(
                 gt_data, xt_data, gt_scale_inv, xt_scale_inv, None, dtype))
             _vouching_grad(ctx.state, dw)
         return dx, dw, db, None, None, None, None, None, None

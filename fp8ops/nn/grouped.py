@@ -31,21 +31,11 @@ from torch import nn
 from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
 from ..scaling import (BlockwiseScaling, CurrentScaling, WeightCache, check_recipe, grad_margin,
                        recipe_formats)
-from .autograd import first_order_only, output_dtype
+from .autograd import first_order_only, output_dtype, weight_grad
 from .functional import check_operands
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
-
-
-def _weight_grad(weight: torch.Tensor, wgrad) -> Optional[torch.Tensor]:
-    """dW from wgrad(out_dtype) in the parameter's dtype, or in float32 added to the weight's
-    main_grad when it has one (no .grad then), as fp8ops.linear does."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None:
-        return wgrad(weight.dtype)
-    main_grad.add_(wgrad(_F32))
-    return None
 
 
 def _bias_grad(dy: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -121,7 +111,7 @@ class GroupedLinearCurrent(torch.autograd.Function):
         if need_dx:
             dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
         if need_dw:
-            dw = _weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
+            dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
                 gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
             _vouch_grad(ctx.cache, dw)
         if need_db and bias is not None:
@@ -156,7 +146,7 @@ class GroupedLinearBlockwise(torch.autograd.Function):
         if need_dx:
             dx = _ops.grouped_gemm_blockwise(g_data, wt_data, offsets, g_si, wt_si, None, x_dtype)
         if need_dw:
-            dw = _weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad_blockwise(
+            dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad_blockwise(
                 gt_data, xt_data, offsets, gt_si, xt_si, dtype))
             _vouch_grad(ctx.cache, dw)
         if need_db and bias is not None:

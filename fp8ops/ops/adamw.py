@@ -8,9 +8,12 @@ with float32 moments (small parameters) is `step_float32`.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .bf16_rounding import stochastic_round_bf16
+from ..formats import round_f32
 
 BLOCK = 128
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -51,6 +54,39 @@ def read_v(v: torch.Tensor, v_scale_inv: torch.Tensor, numel: int) -> torch.Tens
         return v.float()
     d = decode(v, v_scale_inv, numel)
     return d.mul_(d) if v.dtype == E4M3 else d
+
+
+def step_scalars(lr: float, betas, eps: float, weight_decay: float, decoupled: bool, t: int,
+                 seed: int, index: int) -> tuple:
+    """adamw_step's scalars after t steps of the parameter at `index` in its optimizer: each
+    computed in double from the hyperparameters and rounded once to float32 (docs/numerics.md,
+    "FP8AdamW"), then the random stream (seed, offset) of a bfloat16 parameter."""
+    beta1, beta2 = betas
+    decay = round_f32(1.0 - lr * weight_decay) if decoupled else 1.0
+    l2 = 0.0 if decoupled else round_f32(weight_decay)
+    return (round_f32(beta1), round_f32(1.0 - beta1), round_f32(beta2), round_f32(1.0 - beta2),
+            round_f32(eps), round_f32(lr / (1.0 - beta1 ** t)),
+            round_f32(1.0 / math.sqrt(1.0 - beta2 ** t)), decay, l2,
+            seed, (index << 32) | (t & 0xFFFFFFFF))
+
+
+def store_moments(m, m_scale_inv, v, v_scale_inv, m32: torch.Tensor, v32: torch.Tensor,
+                  s: torch.Tensor | None = None) -> None:
+    """New moments (flat float32 m32, v32; s = sqrt(v32) when the caller has it) into FP8 m and
+    v in v's form, with their scales."""
+    data, scale_inv = encode(m32, E4M3)
+    m.copy_(data)
+    m_scale_inv.copy_(scale_inv.view(m_scale_inv.shape))
+    if v.dtype == torch.bfloat16:
+        v.view(-1).copy_(v32)
+        return
+    if v.dtype == E4M3:
+        stored = s if s is not None else sqrt_rn(v32)
+    else:
+        stored = v32
+    data, scale_inv = encode(stored, v.dtype)
+    v.copy_(data)
+    v_scale_inv.copy_(scale_inv.view(v_scale_inv.shape))
 
 
 def _update(p32, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
@@ -118,15 +154,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
     v32 = read_v(v, v_scale_inv, n)
     p32, m32, v32, s = _update(p32, g, m32, v32, beta1, one_minus_beta1, beta2,
                                one_minus_beta2, eps, step_size, bias2_rsqrt, decay, l2)
-    data, scale_inv = encode(m32, E4M3)
-    m.copy_(data)
-    m_scale_inv.copy_(scale_inv.view(m_scale_inv.shape))
-    if v.dtype == torch.bfloat16:
-        v.view(-1).copy_(v32)
-    else:
-        data, scale_inv = encode(s if v.dtype == E4M3 else v32, v.dtype)
-        v.copy_(data)
-        v_scale_inv.copy_(scale_inv.view(v_scale_inv.shape))
+    store_moments(m, m_scale_inv, v, v_scale_inv, m32, v32, s)
     _write_param(param, p32, seed, offset)
 
 

@@ -13,7 +13,6 @@ exact, and tests/test_emulation_fast.py checks it byte for byte against the plai
 from __future__ import annotations
 
 import math
-import struct
 from typing import Optional
 
 import torch
@@ -22,7 +21,7 @@ from . import cpu_kernels, philox
 from .philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
 from .adamw import adamw_step  # noqa: F401 (the op's emulation lives beside its helpers)
 from .scratch import scratch, scratch_like
-from ..formats import E8M0_BIAS, E8M0_NAN, get_format
+from ..formats import E8M0_BIAS, E8M0_NAN, get_format, round_f32
 
 FLT_MAX = torch.finfo(torch.float32).max
 FLT_MIN = torch.finfo(torch.float32).tiny
@@ -123,14 +122,6 @@ def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     return x.float().abs().amax()
 
 
-def _round_f32(v: float) -> float:
-    """The float32 nearest to the Python float v (ties to even, overflow to inf)."""
-    try:
-        return struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:
-        return math.copysign(math.inf, v)
-
-
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     """[rows, last dim] view (rows = product of the leading dims; 0-d counts as [1, 1])."""
     if x.dim() == 0:
@@ -202,7 +193,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
         # the identity
         a, sv = x_amax.item(), s.item()
         nan_possible = not (math.isfinite(a) and math.isfinite(sv))
-        clamp = nan_possible or not _round_f32(a * abs(sv)) <= fmt.max
+        clamp = nan_possible or not round_f32(a * abs(sv)) <= fmt.max
     if stochastic:
         data = _stochastic_fp8(y, fmt, seed, offset, nan_possible, clamp)
     elif clamp:
@@ -543,8 +534,8 @@ def _scale_from_amax_host(amax, prev_scale, fp8_max, margin, power_of_two) -> to
 def _scale_value(a: float, prev: float, fp8_max: float, margin: float,
                  power_of_two: bool) -> float:
     if a == 0 or not math.isfinite(a):
-        return _round_f32(prev)
-    s = _round_f32(_round_f32(fp8_max) / _round_f32(a * _round_f32(margin)))
+        return round_f32(prev)
+    s = round_f32(round_f32(fp8_max) / round_f32(a * round_f32(margin)))
     s = FLT_MAX if math.isinf(s) else FLT_MIN if s == 0 else s
     if power_of_two:
         s = 2.0 ** min(max(math.frexp(s)[1] - 1, -149), 127)
@@ -611,7 +602,7 @@ def _delayed_update_host(hist, scale, rep_prev, pending, step, fp8_max, margin, 
     if any(v != v or (v == 0 and math.copysign(1.0, v) < 0) for v in values) or scale == 0:
         return None
     if step % interval:
-        return hist, scale, _round_f32(1.0 / scale), rep_prev, pending
+        return hist, scale, round_f32(1.0 / scale), rep_prev, pending
     n_updates, L = step // interval, len(hist)
     hist = [pending] + hist[:-1]
     if algo == "max":
@@ -619,15 +610,15 @@ def _delayed_update_host(hist, scale, rep_prev, pending, step, fp8_max, margin, 
     elif algo == "most_recent":
         rep = hist[0]
     elif algo == "ema":
-        a, b = _round_f32(ema_alpha), _round_f32(1.0 - ema_alpha)
+        a, b = round_f32(ema_alpha), round_f32(1.0 - ema_alpha)
         rep = hist[0] if n_updates <= 1 else \
-            _round_f32(_round_f32(a * hist[0]) + _round_f32(b * rep_prev))
+            round_f32(round_f32(a * hist[0]) + round_f32(b * rep_prev))
     else:  # percentile: nearest rank over the filled slots, rank in float64 as the tensor code
         n = min(max(n_updates, 1), L)
         rank = min(max(int(math.ceil((percentile / 100.0) * n)), 1), L)
         rep = sorted(hist)[L - n + rank - 1]
     new_scale = _scale_value(rep, scale, fp8_max, margin, power_of_two)
-    return hist, new_scale, _round_f32(1.0 / new_scale), rep, 0.0
+    return hist, new_scale, round_f32(1.0 / new_scale), rep, 0.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,8 +12,6 @@ values) against torch AdamW's 8.
 """
 from __future__ import annotations
 
-import math
-import struct
 from typing import Optional
 
 import torch
@@ -22,13 +20,7 @@ from torch.optim import Optimizer
 from ..ops import adamw
 from . import moments
 
-_MASK32 = 0xFFFFFFFF
 _TORCH_STATE = ("exp_avg", "exp_avg_sq")
-
-
-def _f32(v: float) -> float:
-    """v rounded to float32 (as a Python float): every scalar of the step is a float32."""
-    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -160,15 +152,9 @@ class FP8AdamW(Optimizer):
         if not state:
             state.update(self._init_state(group, p))
         state["step"] += 1
-        t = int(state["step"].item())
-        beta1, beta2 = group["betas"]
-        lr, wd = group["lr"], group["weight_decay"]
-        decoupled = self.decoupled_weight_decay
-        scalars = (_f32(beta1), _f32(1.0 - beta1), _f32(beta2), _f32(1.0 - beta2),
-                   _f32(group["eps"]), _f32(lr / (1.0 - beta1 ** t)),
-                   _f32(1.0 / math.sqrt(1.0 - beta2 ** t)),
-                   _f32(1.0 - lr * wd) if decoupled else 1.0, 0.0 if decoupled else _f32(wd),
-                   group["seed"], (index << 32) | (t & _MASK32))
+        scalars = adamw.step_scalars(group["lr"], group["betas"], group["eps"],
+                                     group["weight_decay"], self.decoupled_weight_decay,
+                                     int(state["step"].item()), group["seed"], index)
         local, grad = _local(p), _local(p.grad)
         target = local if local.is_contiguous() else local.contiguous()
         if state["m"].dtype == torch.float32:
@@ -199,12 +185,10 @@ class FP8AdamW(Optimizer):
             groups.append(merged)
         saved_state = state_dict["state"]
         super().load_state_dict({"state": {}, "param_groups": groups})
-        ids = [i for g in groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(ids, params):
-            if saved_id in saved_state:
-                group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-                self.state[p] = self._loaded(group, p, saved_state[saved_id])
+        for saved, group in zip(groups, self.param_groups):
+            for saved_id, p in zip(saved["params"], group["params"]):
+                if saved_id in saved_state:
+                    self.state[p] = self._loaded(group, p, saved_state[saved_id])
 
     def _loaded(self, group: dict, p: torch.Tensor, saved: dict) -> dict:
         local = _local(p)

@@ -60,21 +60,11 @@ def read(state: dict, numel: int):
 
 def write(state: dict, m: torch.Tensor, v: torch.Tensor) -> None:
     """Store moments (flat float32 m and v) into `state` in its format."""
-    kind = form(state)
-    if kind == "float32":
+    if form(state) == "float32":
         state["m"].copy_(m)
         state["v"].copy_(v)
         return
-    data, scale_inv = adamw.encode(m, adamw.E4M3)
-    state["m"].copy_(data)
-    state["m_scale_inv"].copy_(scale_inv)
-    if kind == "bf16":
-        state["v"].copy_(v)
-        return
-    stored = adamw.sqrt_rn(v) if kind == "sqrt_e4m3" else v
-    data, scale_inv = adamw.encode(stored, state["v"].dtype)
-    state["v"].copy_(data)
-    state["v_scale_inv"].copy_(scale_inv)
+    adamw.store_moments(state["m"], state["m_scale_inv"], state["v"], state["v_scale_inv"], m, v)
 
 
 def state_bytes(state: dict) -> int:
