@@ -21,9 +21,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     """The correctly rounded float32 square root of float32 v. torch's CPU float32 sqrt is not
-    (its vectorized path is off by an ulp in about a sixth of values): the double root of a
-    float32 rounds to the same float32 as the exact root. CUDA's float32 sqrt is correctly
-    rounded already."""
+    always (its vectorized path can be an ulp off): the double root of a float32 rounds to the
+    same float32 as the exact root. CUDA's float32 sqrt is correctly rounded already."""
     if v.device.type == "cpu":
         return v.double().sqrt_().float()
     return v.sqrt()
