@@ -7,12 +7,14 @@
 #   bash scripts/gpu_check.sh --quick         # at most 8 minutes, build included (below)
 #
 # --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
-# fused FP8AdamW step's, the C++ layer step's, the statistics kernel's, the casts' and the layer's
-# test files; time limit QUICK_TEST_LIMIT) and racecheck of the shared-memory kernels; then the
-# figures the open performance goals need: the host time of one layer step, the GPU timeline of
-# one step at 16384x8192x1280, the layer step against bf16 at five key shapes, the casts at 64
-# and 256 MB, and FP8AdamW's step against torch's fused AdamW. Every section has its own time limit; the last lines are a table for
-# bench/RESULTS.md, and all logs are packed into $OUT/logs.tar.gz.
+# grouped (MoE) GEMM kernel's, the fused FP8AdamW step's, the C++ layer step's, the statistics
+# kernel's, the casts' and the layer's test files; time limit QUICK_TEST_LIMIT) and racecheck of
+# the shared-memory kernels; then the figures the open performance goals need: the host time of
+# one layer step, the GPU timeline of one step at 16384x8192x1280, the layer step against bf16
+# at five key shapes, the casts at 64 and 256 MB, FP8AdamW's step against torch's fused AdamW
+# and the MoE expert step against bf16 torch._grouped_mm. Every section has its own time limit;
+# the last lines are a table for bench/RESULTS.md, and all logs are packed into
+# $OUT/logs.tar.gz.
 #
 # Needs: a CUDA build of torch, nvcc, pytest (pytest-xdist optional), compute-sanitizer, and the
 # CUTLASS headers (`pip install --no-deps nvidia-cutlass`, or CUTLASS_PATH). fp8ops is built
@@ -78,7 +80,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_grouped_gpu.py tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 
@@ -102,9 +104,16 @@ if want quickbench; then
   timeout 45 python3 bench/bench_optimizer.py --time-only --device cuda > "$OUT/bench_optimizer.log" 2>&1
   rc=$?; record $rc bench_optimizer
 
+  section "bench/bench_grouped.py: the MoE expert step against bf16 torch._grouped_mm (Mixtral, 16384 tokens)"
+  timeout 60 python3 bench/bench_grouped.py --models mixtral --projs gate_up --tokens 16384 \
+    --variants "bf16 grouped_mm,current,scaled_grouped_mm" --rounds 3 --iters 3 \
+    --out "$OUT/results" > "$OUT/bench_grouped.log" 2>&1
+  rc=$?; record $rc bench_grouped
+
   section "table for bench/RESULTS.md"
   cat "$OUT/env.txt"
   echo; grep "^FP8AdamW step time" "$OUT/bench_optimizer.log"
+  echo; echo "MoE expert step (bench/bench_grouped.py):"; grep -E "^Mixtral" "$OUT/bench_grouped.log"
   echo; echo "Host time of one layer step (bench/profile_linear.py):"
   grep -E "^== (bf16|current|delayed)(:python)? M=" "$OUT/profile_linear.log"
   echo; echo "GPU timeline of one step (bench/profile_linear.py --timeline 16384x8192x1280):"

@@ -1,5 +1,5 @@
-"""The built extension registers a CUDA kernel for every cast op (no GPU needed: importing
-fp8ops._C only registers kernels with the dispatcher)."""
+"""The built extension registers a CUDA kernel for every cast op and for the grouped GEMM
+kernels' ops (no GPU needed: importing fp8ops._C only registers kernels with the dispatcher)."""
 import glob
 import os
 import subprocess
@@ -13,8 +13,12 @@ CAST_OPS = ["amax", "quantize", "dequantize", "quantize_mx", "dequantize_mx", "q
             "quantize_blockwise_pair", "quantize_mx_pair", "cast_stats", "adamw_step"]
 
 
-@pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "fp8ops", "_C*.so")),
-                    reason="fp8ops/_C*.so not built (pip install --no-build-isolation -e . with nvcc)")
+BUILT = pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "fp8ops", "_C*.so")),
+                           reason="fp8ops/_C*.so not built (pip install --no-build-isolation -e . "
+                                  "with nvcc)")
+
+
+@BUILT
 def test_cast_ops_have_cuda_kernels():
     import re
     with open(os.path.join(ROOT, "fp8ops", "ops", "__init__.py")) as f:
@@ -33,6 +37,22 @@ def test_cast_ops_have_cuda_kernels():
         "        return False\n"
         "missing = [op for op in cast if not has(op)]\n"
         "print('missing', missing)\n"
+        "assert not missing, missing\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FP8OPS_FORCE_EMULATION"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@BUILT
+def test_grouped_gemm_kernel_ops_have_cuda_kernels():
+    from fp8ops.ops.grouped import KERNEL_SCHEMAS
+    code = (
+        "import glob, torch\n"
+        "torch.ops.load_library(glob.glob('fp8ops/_C*.so')[0])\n"
+        f"ops = {sorted(KERNEL_SCHEMAS)!r}\n"
+        "missing = [op for op in ops\n"
+        "           if not torch._C._dispatch_has_kernel_for_dispatch_key('fp8ops::' + op, 'CUDA')]\n"
         "assert not missing, missing\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "FP8OPS_FORCE_EMULATION"}

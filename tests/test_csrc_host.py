@@ -395,3 +395,67 @@ def test_byte_tile_4x4_transpose(host_check):
         want = np.ascontiguousarray(m.T).view(np.uint32).reshape(-1)
         assert [int(g, 16) for g in got] == want.tolist(), (row, got)
     assert out[0] == ["30201000", "31211101", "32221202", "33231303"]
+
+
+# ---- the grouped GEMM's per-group problems (csrc/grouped_layout.h) ------------------------------
+GROUPED_CASES = [
+    [5, 5, 200, 333],        # an empty group, ragged sizes
+    [0, 0, 0],               # every group empty
+    [128, 256, 384],         # aligned groups
+    [1, 2, 3, 4, 5, 6, 7],   # tiny groups, none 16-aligned
+    [300],                   # one group short of the rows: the tail belongs to none
+]
+BAD_OFFSETS = [[5, 3, 9], [-4, 2, 400], [7, 500, 10]]  # decreasing, negative, past the rows
+
+
+def _grouped(host_check, rows_kind, offsets, total, n, k):
+    out = host_check("grouped", [int(rows_kind), total, n, k, len(offsets)], [" ".join(map(str, offsets))])
+    *lines, (ld,) = out
+    cols = ["start", "rows", "packed_start", "m", "n", "k", "a_off", "b_off", "d_off", "lda", "ldb", "ldd",
+            "tiles"]
+    return [dict(zip(cols, map(int, line))) for line in lines], int(ld)
+
+
+def _spans(offsets, total):
+    """What the kernel must read as each group's rows: the offsets made non-decreasing and kept
+    within [0, total] (the op asserts them; a bad tensor must still never leave the operands)."""
+    lo, spans = 0, []
+    for e in offsets:
+        e = min(max(e, lo), total)
+        spans.append((lo, e - lo))
+        lo = e
+    return spans
+
+
+@pytest.mark.parametrize("offsets", GROUPED_CASES + BAD_OFFSETS)
+def test_grouped_rows_problems(host_check, offsets):
+    total, n, k = 400, 96, 160
+    groups, _ = _grouped(host_check, True, offsets, total, n, k)
+    for g, (q, (start, rows)) in enumerate(zip(groups, _spans(offsets, total))):
+        assert (q["start"], q["rows"]) == (start, rows)
+        assert (q["m"], q["n"], q["k"]) == (rows, n, k)
+        assert (q["a_off"], q["b_off"], q["d_off"]) == (start * k, g * n * k, start * n)
+        assert (q["lda"], q["ldb"], q["ldd"]) == (k, k, n)
+        assert q["tiles"] == -(-rows // 128) * -(-n // 128)
+    # the groups tile exactly the rows they own, in order, inside the operands
+    assert sum(q["rows"] for q in groups) == (groups[-1]["start"] + groups[-1]["rows"])
+    assert all(0 <= q["start"] and q["start"] + q["rows"] <= total for q in groups)
+
+
+@pytest.mark.parametrize("offsets", GROUPED_CASES + BAD_OFFSETS)
+def test_grouped_wgrad_problems_start_16_byte_aligned_and_never_overlap(host_check, offsets):
+    total, n, k = 400, 96, 160
+    groups, ld = _grouped(host_check, False, offsets, total, n, k)
+    assert ld % 16 == 0 and ld >= total + 16 * len(offsets) - 15
+    end = 0
+    for g, (q, (start, rows)) in enumerate(zip(groups, _spans(offsets, total))):
+        assert (q["start"], q["rows"]) == (start, rows)
+        assert q["packed_start"] % 16 == 0 and q["packed_start"] >= end  # TMA: aligned bases
+        padded = -(-rows // 16) * 16  # the reduction over zero padding to 16 columns
+        end = q["packed_start"] + padded
+        assert end <= ld
+        # an empty group has no tiles (its dW is zeroed apart): never a K = 0 problem
+        assert (q["m"], q["n"], q["k"]) == ((n if rows else 0), k, padded)
+        assert (q["a_off"], q["b_off"], q["d_off"]) == (q["packed_start"], q["packed_start"], g * n * k)
+        assert (q["lda"], q["ldb"], q["ldd"]) == (ld, ld, k)
+        assert q["tiles"] == (-(-n // 128) * -(-k // 128) if rows else 0)

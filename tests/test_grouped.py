@@ -121,6 +121,34 @@ def test_grouped_casts_are_the_dense_casts_per_group(case, power_of_two):
         block += cs.shape[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", [E4, E5], ids=str)
+def test_grouped_current_cast_special_values_and_rows_past_the_groups(dtype, fmt):
+    """NaN and inf stay in their own group (NaN wins the amax, so that group keeps scale 1;
+    inf likewise), huge and tiny groups saturate or keep their range, and rows past the last
+    group are zero bytes whatever they hold."""
+    sizes = [4, 0, 5, 3, 6]
+    x = torch.randn(sum(sizes) + 3, 160)
+    x[1, 7] = float("nan")         # group 0
+    x[5, 2] = float("inf")         # group 2
+    x[9:12] *= 1e30                # group 3: overflows the margin's product
+    x[12:18] *= 1e-30              # group 4: subnormal range
+    x[-2, 0] = float("nan")        # past the last group
+    x = x.to(dtype)
+    offsets = _offsets(sizes)
+    data, data_t, scale, scale_inv = _ops.quantize_current_grouped(x, offsets, fmt, 2.0, False,
+                                                                   True)
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        d, d_t, s, s_inv, _ = _ops.quantize_current(x[lo:hi], fmt, 2.0, False, True)
+        _same(data[lo:hi], d)
+        _same(data_t[:, lo:hi], d_t)
+        _same(scale[g], s)
+        _same(scale_inv[g], s_inv)
+    end = sum(sizes)
+    assert not data[end:].view(torch.uint8).any() and not data_t[:, end:].view(torch.uint8).any()
+    assert scale[0] == 1 and scale[1] == 1 and scale[2] == 1
+
+
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_grouped_blockwise_wgrad_reads_the_packed_blocks(case):
     """dW_g from the grouped blockwise casts of dY and X equals the dense blockwise wgrad of

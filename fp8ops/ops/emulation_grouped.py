@@ -5,7 +5,8 @@ of the input (offsets[-1] = 0), as torch._grouped_mm takes them; rows from offse
 belong to no group (their output rows are zeros). Each op is a loop over the groups calling the
 dense op of emulation.py (or, for the casts, the dense cast op) on that group's rows, so every
 group's bytes are those of the dense op on the group alone, empty groups included (zero rows,
-a zero weight gradient). The loop reads the offsets on the host.
+a zero weight gradient). The loop reads the offsets on the host. quantize_current_grouped is the
+exception: all groups at once on the device, with the same bytes (its docstring).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..formats import get_format
 from . import emulation
 
 _ops = torch.ops.fp8ops
@@ -151,20 +153,53 @@ def quantize_current_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torc
                              margin: float, power_of_two: bool, transpose: bool = False):
     """Current scaling per group: each group's rows cast with their own amax (the op
     quantize_current on the group). (data [M, K], data^T [K, M] or empty, scale [E],
-    scale_inv [E]); rows past the last group are zero bytes. An empty group has scale 1."""
+    scale_inv [E]); rows past the last group are zero bytes. An empty group has scale 1.
+
+    Computed for all groups at once, the group sizes never leaving the device (no host sync, as
+    a CUDA graph needs): each row's group from the offsets, the groups' amax by a scatter of the
+    rows' amax, the scales by scale_from_amax over [E], the cast as the dense one's (one float32
+    multiply per element, saturating round to nearest even). Max is exact in any order, so every
+    group's bytes are the dense op's on its rows (tests/test_grouped.py checks it)."""
     M, K = x.shape
-    bounds = group_bounds("quantize_current_grouped", offsets, M)
-    data = torch.zeros(M, K, dtype=dtype, device=x.device)
-    data_t = torch.zeros((K, M) if transpose else (0,), dtype=dtype, device=x.device)
-    scale = torch.ones(len(bounds), dtype=_F32, device=x.device)
-    scale_inv = torch.ones(len(bounds), dtype=_F32, device=x.device)
-    for g, (lo, hi) in enumerate(bounds):
-        d, d_t, s, s_inv, _ = _ops.quantize_current(x[lo:hi], dtype, margin, power_of_two,
-                                                    transpose)
-        data[lo:hi], scale[g], scale_inv[g] = d, s, s_inv
-        if transpose:
-            data_t[:, lo:hi] = d_t
-    return data, data_t, scale, scale_inv
+    E = offsets.shape[0]
+    check_offset_values("quantize_current_grouped", offsets, M)
+    fmt = get_format(dtype)
+    group = row_groups(offsets, M)  # E for rows past the last group
+    xf = emulation._f32(x)
+    row_amax = xf.abs().amax(dim=1) if K else xf.new_zeros(M)
+    amax = row_amax.new_zeros(E + 1).scatter_reduce_(0, group, row_amax, "amax")
+    # NaN must win, as in the dense amax, whatever scatter_reduce makes of it
+    nan = row_amax.new_zeros(E + 1).index_add_(0, group, row_amax.isnan().float()) > 0
+    amax = torch.where(nan, float("nan"), amax)[:E]
+    scale = emulation.scale_from_amax(amax, torch.ones_like(amax), fmt.max, margin, power_of_two)
+    row_scale = torch.cat([scale, scale.new_zeros(1)])[group]
+    data = emulation._rne_fp8(xf * row_scale.unsqueeze(1), fmt, inplace=True)
+    owned = (group < E).unsqueeze(1)
+    data = torch.where(owned, data.view(torch.uint8), 0).view(dtype)  # rows of no group: zeros
+    data_t = data.t().contiguous() if transpose else data.new_empty((0,))
+    return data, data_t, scale, torch.reciprocal(scale)
+
+
+def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's group (int64 [rows]; E for a row past the last group), on the device."""
+    r = torch.arange(rows, dtype=offsets.dtype, device=offsets.device)
+    return torch.searchsorted(offsets, r, right=True)
+
+
+def check_offset_values(op: str, offsets: torch.Tensor, rows: int) -> None:
+    """group_bounds' checks of the values: on the host for CPU offsets (a clear ValueError),
+    elsewhere as an asynchronous device assert (no sync)."""
+    if offsets.device.type == "cpu":
+        group_bounds(op, offsets, rows)
+        return
+    check_offsets_meta(op, offsets)
+    if offsets.shape[0] == 0:
+        return
+    ok = (offsets[0] >= 0) & (offsets[-1] <= rows)
+    if offsets.shape[0] > 1:
+        ok = ok & (offsets[1:] >= offsets[:-1]).all()
+    torch._assert_async(ok, f"fp8ops: {op}: offsets must be non-negative, non-decreasing and at "
+                            f"most the {rows} rows of the input")
 
 
 def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,

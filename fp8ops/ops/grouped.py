@@ -2,7 +2,7 @@
 
 Tokens sorted by expert, `offsets` int32 [E] the cumulative end row of each group (the convention
 of torch._grouped_mm); emulation_grouped.py is their meaning (a loop over the groups of the dense
-ops). There is no CUDA kernel for them yet: the emulation serves CUDA tensors too.
+ops); it serves CUDA tensors too, except where the Hopper kernel takes the GEMM (below).
 
   grouped_gemm            Y_g = X_g W_g^T, a [M, K], b [E, N, K]; scales per group [E] or per
                           row [M, 1] for a, per expert [E] or per output column [E, N] for b
@@ -12,6 +12,12 @@ ops). There is no CUDA kernel for them yet: the emulation serves CUDA tensors to
   quantize_current_grouped       per-group current scaling (and the transposed copy)
   quantize_blockwise_grouped     per-group 1x128 casts of x and of x^T
 dgrad (dX_g = dY_g W_g) is grouped_gemm with the weight's transposed copy [E, K, N] as b.
+
+On a Hopper GPU, grouped_gemm and grouped_gemm_wgrad with one scale per group run the CUTLASS
+sm90 grouped kernel (csrc/gemm_sm90_grouped*.cu) through two ops of their own, KERNEL_SCHEMAS,
+which only the CUDA extension implements; other scales, a bias, fp16 outputs or rows that are
+not 16-byte multiples keep the emulation. The kernel reads the offsets on the device: it never
+synchronizes, and it checks them with an asynchronous device assert instead of a host check.
 """
 from __future__ import annotations
 
@@ -37,18 +43,83 @@ SCHEMAS = {
 }
 
 
+# The Hopper kernels' own ops: a per-group scale [E] each, bfloat16 or float32 out, no bias.
+KERNEL_SCHEMAS = {
+    "grouped_gemm_sm90": "(Tensor a, Tensor b, Tensor offsets, Tensor a_scale_inv, "
+                         "Tensor b_scale_inv, ScalarType out_dtype) -> Tensor",
+    "grouped_gemm_wgrad_sm90": "(Tensor a, Tensor b, Tensor offsets, Tensor a_scale_inv, "
+                               "Tensor b_scale_inv, ScalarType out_dtype) -> Tensor",
+}
+_ROUTED = {"grouped_gemm": "grouped_gemm_sm90", "grouped_gemm_wgrad": "grouped_gemm_wgrad_sm90"}
+
+
 def register(lib: torch.library.Library, kernel) -> None:
     """Define the grouped ops in `lib` with kernel(fn) (the no-grad wrapper of the other ops)
-    around their emulation, for CPU and, where no C++ kernel is registered, CUDA."""
+    around their emulation, for CPU and, where no C++ kernel is registered, CUDA; grouped_gemm
+    and grouped_gemm_wgrad on CUDA go to the Hopper kernel where it suits (sm90_suits)."""
+    for name, schema in KERNEL_SCHEMAS.items():
+        lib.define(name + schema)
+        lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
     for name, schema in SCHEMAS.items():
         lib.define(name + schema)
         impl = kernel(getattr(emulation_grouped, name))
         lib.impl(name, impl, "CPU")
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{name}", "CUDA"):
-            lib.impl(name, impl, "CUDA")
+            routed = _ROUTED.get(name)
+            lib.impl(name, kernel(_routed(name, routed)) if routed else impl, "CUDA")
         lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
     for name, fake in _FAKES.items():
         torch.library.register_fake(f"fp8ops::{name}", fake, lib=lib)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the Hopper kernel where it suits, the emulation elsewhere
+# ----------------------------------------------------------------------------------------------
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_hopper = {}  # device index -> whether it is an sm_90 GPU (read once)
+
+
+def _is_hopper(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _hopper:
+        _hopper[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _hopper[index]
+
+
+def sm90_suits(name: str, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dtype) -> bool:
+    """Whether the Hopper grouped kernel computes this call: built and on an sm_90 GPU, operands
+    (E4M3 or E5M2, E4M3), one float32 scale per group, no bias, a bfloat16 or float32 output
+    whose rows are 16-byte multiples and (forward/dgrad) K a multiple of 16."""
+    kernel = _ROUTED[name]
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{kernel}", "CUDA"):
+        return False
+    groups = offsets.shape[0]
+    if (bias is not None or out_dtype not in (torch.bfloat16, torch.float32) or groups == 0
+            or a.dtype not in _FP8 or b.dtype != torch.float8_e4m3fn
+            or a_scale_inv.shape != (groups,) or b_scale_inv.shape != (groups,)
+            or a_scale_inv.dtype != torch.float32 or b_scale_inv.dtype != torch.float32):
+        return False
+    row = b.shape[1] if name == "grouped_gemm" else b.shape[0]  # the output's row length
+    if row * (4 if out_dtype == torch.float32 else 2) % 16:
+        return False
+    if name == "grouped_gemm" and (a.shape[1] % 16 or b.dim() != 3 or b.shape[0] != groups):
+        return False
+    return _is_hopper(a.device)
+
+
+def _routed(name: str, kernel_name: str):
+    emulated = getattr(emulation_grouped, name)
+    sm90 = getattr(torch.ops.fp8ops, kernel_name)
+
+    def run(a, b, offsets, a_scale_inv, b_scale_inv, *rest):
+        bias, out_dtype = (rest[0], rest[1]) if name == "grouped_gemm" else (None, rest[0])
+        if not sm90_suits(name, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dtype):
+            return emulated(a, b, offsets, a_scale_inv, b_scale_inv, *rest)
+        check_offsets_meta(name, offsets, b.shape[0] if name == "grouped_gemm" else None)
+        emulation_grouped.check_offset_values(
+            name, offsets, a.shape[0] if name == "grouped_gemm" else a.shape[1])
+        return sm90(a, b, offsets, a_scale_inv, b_scale_inv, out_dtype)
+    return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +153,13 @@ def _quantize_blockwise(x, offsets, dtype, power_of_two):
             x.new_empty((k, packed_blocks(m, offsets.shape[0])), dtype=f32))
 
 
+def _gemm_sm90(a, b, offsets, a_scale_inv, b_scale_inv, out_dtype):
+    return _gemm(a, b, offsets, a_scale_inv, b_scale_inv, None, out_dtype)
+
+
 _FAKES = {
+    "grouped_gemm_sm90": _gemm_sm90,
+    "grouped_gemm_wgrad_sm90": _wgrad,
     "grouped_gemm": _gemm,
     "grouped_gemm_blockwise": _gemm,
     "grouped_gemm_wgrad": _wgrad,

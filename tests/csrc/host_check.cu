@@ -28,6 +28,7 @@
 
 #include "byte_tile.cuh"
 #include "common.cuh"
+#include "grouped_layout.h"
 
 using namespace fp8ops;
 
@@ -235,6 +236,26 @@ int main(int argc, char** argv) {
       transpose_4x4_bytes(in, out);
       printf("%08x %08x %08x %08x\n", out[0], out[1], out[2], out[3]);
     }
+  } else if (!strcmp(mode, "grouped")) {
+    // header: rows_kind (1 rows, 0 wgrad) total n k groups; then the offsets. One line per group:
+    // start rows packed_start | m n k | a_off b_off d_off | lda ldb ldd | tiles; then packed_length.
+    const bool rows = rd_i64() != 0;
+    const int64_t total = rd_i64(), n = rd_i64(), k = rd_i64();
+    const int groups = int(rd_i64());
+    std::vector<int32_t> offsets(groups);
+    for (auto& o : offsets) o = int32_t(rd_i64());
+    const int64_t ld = fp8ops::grouped::packed_length(total, groups);
+    for (int g = 0; g < groups; ++g) {
+      const fp8ops::grouped::Span s = fp8ops::grouped::group_span(offsets.data(), g, total);
+      const int64_t at = fp8ops::grouped::packed_start(offsets.data(), g, total);
+      const fp8ops::grouped::Problem q = rows ? fp8ops::grouped::rows_problem(s, g, n, k)
+                                              : fp8ops::grouped::wgrad_problem(s, g, at, n, k, ld);
+      printf("%lld %lld %lld %d %d %d %lld %lld %lld %lld %lld %lld %lld\n", (long long)s.start,
+             (long long)s.rows, (long long)at, q.m, q.n, q.k, (long long)q.a_offset, (long long)q.b_offset,
+             (long long)q.d_offset, (long long)q.lda, (long long)q.ldb, (long long)q.ldd,
+             (long long)fp8ops::grouped::tiles(q));
+    }
+    printf("%lld\n", (long long)ld);
   } else if (!strcmp(mode, "up")) {
     const int fmt = int(rd_i64());
     fmt ? run_up<Fp8::kE5M2>() : run_up<Fp8::kE4M3>();
