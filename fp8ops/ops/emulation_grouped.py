@@ -167,6 +167,25 @@ def quantize_current_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torc
     return data, data_t, scale, scale_inv
 
 
+def quantize_scaled_grouped(x: torch.Tensor, offsets: torch.Tensor, scale: torch.Tensor,
+                            dtype: torch.dtype, transpose: bool = False):
+    """Each group's rows cast with the group's given scale (the op quantize on the group; delayed
+    scaling): (data [M, K], data^T [K, M] or empty, amax [E] of each group's rows). Rows past the
+    last group are zero bytes; an empty group's amax is 0, the dense amax of an empty tensor."""
+    M, K = x.shape
+    bounds = group_bounds("quantize_scaled_grouped", offsets, M)
+    _check_scales("quantize_scaled_grouped", scale, [(len(bounds),)], "scale")
+    data = torch.zeros(M, K, dtype=dtype, device=x.device)
+    data_t = torch.zeros((K, M) if transpose else (0,), dtype=dtype, device=x.device)
+    amax = torch.zeros(len(bounds), dtype=_F32, device=x.device)
+    for g, (lo, hi) in enumerate(bounds):
+        d, d_t, a = _ops.quantize(x[lo:hi], scale[g], dtype, transpose)
+        data[lo:hi], amax[g] = d, a
+        if transpose:
+            data_t[:, lo:hi] = d_t
+    return data, data_t, amax
+
+
 def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
                                power_of_two: bool):
     """The blockwise casts per group (the op quantize_blockwise_pair on the group): x [M, K] in

@@ -11,6 +11,8 @@ ops). There is no CUDA kernel for them yet: the emulation serves CUDA tensors to
   grouped_gemm_wgrad_blockwise   the same with 1x128 blocks along M, packed per group
   quantize_current_grouped       per-group current scaling (and the transposed copy)
   quantize_blockwise_grouped     per-group 1x128 casts of x and of x^T
+  quantize_scaled_grouped        per-group casts with given scales [E] (delayed scaling), and
+                                 each group's amax
 dgrad (dX_g = dY_g W_g) is grouped_gemm with the weight's transposed copy [E, K, N] as b.
 """
 from __future__ import annotations
@@ -34,6 +36,8 @@ SCHEMAS = {
                                 "-> (Tensor, Tensor, Tensor, Tensor)",
     "quantize_blockwise_grouped": "(Tensor x, Tensor offsets, ScalarType dtype, "
                                   "bool power_of_two) -> (Tensor, Tensor, Tensor, Tensor)",
+    "quantize_scaled_grouped": "(Tensor x, Tensor offsets, Tensor scale, ScalarType dtype, "
+                               "bool transpose=False) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -82,6 +86,14 @@ def _quantize_blockwise(x, offsets, dtype, power_of_two):
             x.new_empty((k, packed_blocks(m, offsets.shape[0])), dtype=f32))
 
 
+def _quantize_scaled(x, offsets, scale, dtype, transpose=False):
+    check_offsets_meta("quantize_scaled_grouped", offsets)
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=dtype),
+            x.new_empty((k, m) if transpose else (0,), dtype=dtype),
+            x.new_empty((offsets.shape[0],), dtype=torch.float32))
+
+
 _FAKES = {
     "grouped_gemm": _gemm,
     "grouped_gemm_blockwise": _gemm,
@@ -89,4 +101,5 @@ _FAKES = {
     "grouped_gemm_wgrad_blockwise": _wgrad,
     "quantize_current_grouped": _quantize_current,
     "quantize_blockwise_grouped": _quantize_blockwise,
+    "quantize_scaled_grouped": _quantize_scaled,
 }
