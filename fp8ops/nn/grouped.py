@@ -18,7 +18,15 @@ live optimizer holds the weight, its generation has not moved (an optimizer step
 weight's gradient is still the one this cast's backward accumulated; so once per optimizer step
 across the micro-batches of an accumulation window, and every forward without an optimizer.
 Without a cache, under torch.compile and during CUDA graph capture the weight is cast every call.
-Not here yet: delayed scaling, MXFP8, stochastic rounding and FSDP2.
+
+Delayed scaling: each expert has the dense layer's delayed-scaling state for its X rows, its
+weight and its dY rows (ExpertScalingState, buffers with a leading expert dimension), and goes
+through the dense delayed path (autograd.linear_per_tensor) on its own rows: the same steps,
+warm start, casts and amax records (0 for an expert with no tokens), the weight role stepping
+once per accumulation window as the cache decides. So expert g's bytes and state are those of
+a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
+with no graph break. The amaxes are not all-reduced across processes.
+Not here yet: MXFP8, stochastic rounding and FSDP2.
 """
 from __future__ import annotations
 
