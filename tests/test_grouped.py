@@ -901,3 +901,29 @@ def test_delayed_layer_compiles_with_no_graph_break():
             for name in ROLE_BUFFERS:
                 assert torch.equal(getattr(getattr(layer.fp8_state, role), name),
                                    getattr(getattr(eager.fp8_state, role), name)), (role, name)
+
+
+def test_delayed_activation_checkpointing_recomputes_without_stepping():
+    """A checkpointed forward's recompute casts as the forward did and neither steps nor
+    records: the bytes and state of the same training without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+    layer, _ = _delayed_pair(DELAYED["max"], torch.float32)
+    import copy
+    plain = copy.deepcopy(layer)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (layer, plain)]
+    for i, sizes in enumerate(MICRO_SIZES[:4]):
+        x, dy = _micro_batch(i, sizes, torch.float32)
+        xp = x.detach().clone().requires_grad_()
+        y = checkpoint(layer, x, _offsets(sizes), use_reentrant=False)
+        y.backward(dy)
+        yp = plain(xp, _offsets(sizes))
+        yp.backward(dy)
+        _same(y, yp)
+        _same(x.grad, xp.grad)
+        _same(layer.weight.grad, plain.weight.grad)
+        for name, value in layer.fp8_state.state_dict().items():
+            assert torch.equal(value, plain.fp8_state.state_dict()[name]), name
+        if i % 2:
+            for o in opts:
+                o.step()
+                o.zero_grad()
