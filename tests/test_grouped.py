@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fp8ops
+from fp8ops.nn.grouped import ExpertScalingState
 
 _ops = torch.ops.fp8ops
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -150,6 +151,36 @@ def test_grouped_current_cast_special_values_and_rows_past_the_groups(dtype, fmt
 
 
 @pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_scaled_cast_is_the_dense_cast_per_group(case, transpose):
+    sizes = SIZES[case]
+    M, K = sum(sizes) + 2, 72  # two rows that belong to no group: zero bytes
+    x = torch.randn(M, K) * torch.logspace(-3, 3, M).unsqueeze(1)
+    x[0, 0] = float("nan") if sizes[0] else 0.0  # a non-finite amax stays that group's
+    scale = torch.logspace(-2, 4, len(sizes))
+    data, data_t, amax = _ops.quantize_scaled_grouped(x, _offsets(sizes), scale, E4, transpose)
+    assert amax.dtype == torch.float32 and amax.shape == (len(sizes),)
+    for g, (lo, hi) in enumerate(_bounds(sizes)):
+        d, d_t, a = _ops.quantize(x[lo:hi], scale[g], E4, transpose)
+        _same(data[lo:hi], d)
+        if transpose:
+            _same(data_t[:, lo:hi], d_t)
+        # (bits: NaN is not equal to itself); an empty group: 0, the dense amax of no values
+        assert torch.equal(amax[g].view(torch.int32), a.view(torch.int32))
+    assert not data[sum(sizes):].view(torch.uint8).any()
+    assert data_t.shape == ((K, M) if transpose else (0,))
+
+
+def test_grouped_scaled_cast_checks_its_scales():
+    x, offsets = torch.randn(6, 32), torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        _ops.quantize_scaled_grouped(x, offsets, torch.ones(3), E4)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _ops.quantize_scaled_grouped(x, torch.tensor([4, 2], dtype=torch.int32), torch.ones(2),
+                                     E4)
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
 def test_grouped_blockwise_wgrad_reads_the_packed_blocks(case):
     """dW_g from the grouped blockwise casts of dY and X equals the dense blockwise wgrad of
     the group's own casts."""
@@ -224,6 +255,9 @@ def _op_samples():
         "quantize_current_grouped": [(torch.randn(M, K), offsets, E4, 1.0, False, True),
                                      (torch.randn(M, K).bfloat16(), offsets, E5, 2.0, True)],
         "quantize_blockwise_grouped": [(torch.randn(M, K), offsets, E4, False)],
+        "quantize_scaled_grouped": [(torch.randn(M, K), offsets, torch.rand(E) + 0.5, E4, True),
+                                    (torch.randn(M, K).bfloat16(), offsets, torch.rand(E) * 100,
+                                     E5)],
     }
 
 
@@ -247,6 +281,7 @@ def test_opcheck(name, index):
 # ----------------------------------------------------------------------------------------------
 def test_expert_casts_are_the_dense_casts_per_expert():
     from fp8ops.ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+    from fp8ops.ops.expert_casts import quantize_experts_scaled
     w = torch.randn(3, 136, 200) * torch.tensor([1e-3, 1.0, 1e3]).view(3, 1, 1)
     w[1] = 0  # an all-zero expert: scale 1
     data, data_t, scale, scale_inv = quantize_experts_current(w, E4, 1.0, False)
@@ -261,6 +296,14 @@ def test_expert_casts_are_the_dense_casts_per_expert():
         _same(bd_t[g], r.t().contiguous())
         _same(bs_t[g], rs.t())
     assert scale[1] == 1
+    given = torch.tensor([3e3, 7.0, 0.25])
+    sd, sd_t, amax = quantize_experts_scaled(w, given, E5)
+    for g in range(3):
+        d, d_t, a = _ops.quantize(w[g], given[g], E5, True)
+        for got, want in ((sd[g], d), (sd_t[g], d_t), (amax[g], a)):
+            _same(got, want)
+    with pytest.raises(ValueError, match="one per expert"):
+        quantize_experts_scaled(w, torch.ones(2), E5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,10 +408,12 @@ def test_grouped_linear_checks_its_arguments():
         fp8ops.grouped_linear(x[:, :10], w, offsets)
     with pytest.raises(ValueError, match="non-decreasing"):
         fp8ops.grouped_linear(x, w, torch.tensor([4, 3], dtype=torch.int32))
-    for recipe in (fp8ops.DelayedScaling(), fp8ops.MXFP8Scaling(),
-                   fp8ops.CurrentScaling(grad_rounding="stochastic")):
+    for recipe in (fp8ops.MXFP8Scaling(), fp8ops.CurrentScaling(grad_rounding="stochastic"),
+                   fp8ops.DelayedScaling(grad_rounding="stochastic")):
         with pytest.raises(NotImplementedError):
             fp8ops.grouped_linear(x, w, offsets, recipe=recipe)
+    with pytest.raises(ValueError, match="amax history per expert"):
+        fp8ops.grouped_linear(x, w, offsets, recipe=fp8ops.DelayedScaling())
 
 
 def test_grouped_linear_under_autocast():
@@ -673,3 +718,240 @@ def test_compiled_layer_casts_every_call_and_leaves_the_cache_alone():
     y.sum().backward()
     assert layer.weight_cache.entry is None
     _same(y, _uncached(layer, x))
+
+
+# ----------------------------------------------------------------------------------------------
+# delayed scaling: each expert trains as a dense FP8Linear on its own rows
+# ----------------------------------------------------------------------------------------------
+DELAYED = {
+    "max": fp8ops.DelayedScaling(amax_history_len=4),
+    "most_recent_p2": fp8ops.DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent",
+                                            power_of_two=True, margin=2.0, grad_margin=4.0),
+    "ema_interval": fp8ops.DelayedScaling(amax_compute_algo="ema", ema_alpha=0.25, interval=2),
+    "percentile": fp8ops.DelayedScaling(amax_history_len=5, amax_compute_algo="percentile",
+                                        percentile=60.0, bwd_fmt="e4m3"),
+}
+# each micro-batch's group sizes (two per optimizer step): experts with no tokens, in the first
+# micro-batch too (a warm start with no rows)
+MICRO_SIZES = [[5, 0, 17, 3], [4, 9, 0, 6], [0, 2, 8, 11], [7, 7, 1, 0], [3, 0, 0, 12],
+               [1, 1, 1, 1]]
+ROLE_BUFFERS = ("amax_history", "scale", "scale_inv", "amax_rep", "pending_amax", "step",
+                "nonfinite_count")
+
+
+def _delayed_pair(recipe, dtype, k=40, n=24, experts=4):
+    """An FP8GroupedLinear and, for each of its experts, a dense FP8Linear with that expert's
+    weight and the same recipe."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8GroupedLinear(experts, k, n, recipe=recipe, dtype=dtype)
+    dense = [fp8ops.FP8Linear(k, n, bias=False, recipe=recipe, dtype=dtype, fallback="never")
+             for _ in range(experts)]
+    with torch.no_grad():
+        for g, d in enumerate(dense):
+            d.weight.copy_(layer.weight[g])
+    return layer, dense
+
+
+def _same_state(layer, dense):
+    for role in ("input", "weight", "grad"):
+        grouped = getattr(layer.fp8_state, role)
+        for g, d in enumerate(dense):
+            for name in ROLE_BUFFERS:
+                got, want = getattr(grouped, name)[g], getattr(getattr(d.fp8_state, role), name)
+                assert torch.equal(got, want), (role, name, g, got, want)
+            assert grouped.started == getattr(d.fp8_state, role).started
+
+
+def _dense_micro_batch(dense, x, dy, sizes):
+    xs = x.detach().clone().requires_grad_()
+    y = torch.cat([d(xs[lo:hi]) for d, (lo, hi) in zip(dense, _bounds(sizes))])
+    y.backward(dy)
+    return y, xs.grad
+
+
+def _micro_batch(seed, sizes, dtype, k=40, n=24):
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes)
+    # each micro-batch and expert of its own range: the histories matter
+    x = torch.randn(m, k, generator=g) * torch.logspace(-1, 1, max(m, 1))[:m].unsqueeze(1)
+    return (x.to(dtype).requires_grad_(), (torch.randn(m, n, generator=g) * (seed + 1)).to(dtype))
+
+
+@pytest.mark.parametrize("recipe", sorted(DELAYED))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_delayed_experts_train_as_dense_fp8_linears_bit_for_bit(recipe, dtype):
+    """Three optimizer steps of two micro-batches: every output, input gradient, weight
+    gradient, weight and delayed-scaling buffer of expert g is that of a dense FP8Linear run on
+    expert g's rows alone (an expert with no rows records an amax of 0, as the dense layer does
+    for an empty input); then an eval forward, which records nothing."""
+    layer, dense = _delayed_pair(DELAYED[recipe], dtype)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    dense_opt = torch.optim.SGD([d.weight for d in dense], lr=0.5)
+    for i, sizes in enumerate(MICRO_SIZES):
+        x, dy = _micro_batch(i, sizes, dtype)
+        y = layer(x, _offsets(sizes))
+        y.backward(dy)
+        ry, rdx = _dense_micro_batch(dense, x, dy, sizes)
+        _same(y, ry)
+        _same(x.grad, rdx)
+        for g, d in enumerate(dense):
+            _same(layer.weight.grad[g], d.weight.grad)
+        _same_state(layer, dense)
+        if i % 2:
+            for o in (opt, dense_opt):
+                o.step()
+                o.zero_grad()
+            for g, d in enumerate(dense):
+                _same(layer.weight[g], d.weight)
+    assert (layer.fp8_state.weight.step == 3).all()  # once per optimizer step
+    layer.eval()
+    for d in dense:
+        d.eval()
+    x, _ = _micro_batch(99, MICRO_SIZES[0], dtype)
+    with torch.no_grad():
+        y = layer(x, _offsets(MICRO_SIZES[0]))
+        ry = torch.cat([d(x[lo:hi]) for d, (lo, hi) in zip(dense, _bounds(MICRO_SIZES[0]))])
+    _same(y, ry)
+    _same_state(layer, dense)
+
+
+def test_delayed_experts_start_warm_from_their_own_amax():
+    """Before anything was recorded each expert's casts take its own amax (the dense layer's
+    warm start): the first step gives current scaling's bytes."""
+    sizes = SIZES["ragged"]
+    x, w, _, dy = _problem(sizes, torch.bfloat16)
+    xc, wc = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    state = ExpertScalingState(fp8ops.DelayedScaling(), len(sizes))
+    y = fp8ops.grouped_linear(x, w, _offsets(sizes), state=state)
+    y.backward(dy)
+    yc = fp8ops.grouped_linear(xc, wc, _offsets(sizes))
+    yc.backward(dy)
+    _same(y, yc)
+    _same(x.grad, xc.grad)
+    _same(w.grad, wc.grad)
+    assert not state.input.amax_history.any()  # recorded, not yet rolled in
+    assert state.input.pending_amax[1] == 0 and state.input.pending_amax[0] > 0
+
+
+def _train_delayed(layer, seeds, opt=None):
+    out = []
+    for seed in seeds:
+        x, dy = _micro_batch(seed, MICRO_SIZES[seed % len(MICRO_SIZES)], torch.float32)
+        y = layer(x, _offsets(MICRO_SIZES[seed % len(MICRO_SIZES)]))
+        y.backward(dy)
+        out.append(y)
+        if opt is not None and seed % 2:
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+def test_delayed_state_dict_resumes_exactly_mid_accumulation():
+    """The state is buffers: saved mid-window (the cast the next micro-batch reuses included)
+    and loaded into a fresh layer, training continues bit for bit."""
+    layer, _ = _delayed_pair(DELAYED["max"], torch.float32)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    _train_delayed(layer, [0, 1, 2, 3, 4], opt)  # mid-window: one micro-batch of the third
+    saved = layer.state_dict()
+    keys = {k for k in saved if k.startswith("fp8_state.")}
+    assert keys == {f"fp8_state.{r}.{b}" for r in ("input", "weight", "grad")
+                    for b in ROLE_BUFFERS} | {"fp8_state.weight_cast_scale"}
+    assert saved["fp8_state.input.amax_history"].shape == (4, 4)
+    assert saved["fp8_state.weight_cast_scale"].all()  # a cast to reuse
+    again, _ = _delayed_pair(DELAYED["max"], torch.float32)
+    again.load_state_dict(saved)
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert again.fp8_state.input.started and again.fp8_state.grad.started
+    opt_again = torch.optim.SGD(again.parameters(), lr=0.5)
+    for p, q in zip(layer.parameters(), again.parameters()):
+        q.grad = p.grad.clone()
+    for a, b in zip(_train_delayed(layer, [5, 6, 7], opt), _train_delayed(again, [5, 6, 7],
+                                                                           opt_again)):
+        _same(a, b)
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, layer.state_dict()[name]), name
+
+
+def test_delayed_layer_keeps_float32_state_across_dtype_moves_and_copies():
+    import copy
+    import pickle
+    layer, _ = _delayed_pair(DELAYED["max"], torch.float32)
+    _train_delayed(layer, [0, 1], torch.optim.SGD(layer.parameters(), lr=0.5))
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert other.fp8_state.weight_cache is other.weight_cache
+        for name, value in other.state_dict().items():
+            assert torch.equal(value, layer.state_dict()[name]), name
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16
+    assert layer.fp8_state.input.amax_history.dtype == torch.float32
+
+
+def test_delayed_checks_the_state():
+    x, w, _, _ = _problem([3, 4], torch.float32)
+    offsets = _offsets([3, 4])
+    recipe = fp8ops.DelayedScaling()
+    with pytest.raises(ValueError, match="holds 3 experts"):
+        fp8ops.grouped_linear(x, w, offsets, state=ExpertScalingState(recipe, 3))
+    with pytest.raises(ValueError, match="differs from the state's recipe"):
+        fp8ops.grouped_linear(x, w, offsets, recipe=fp8ops.DelayedScaling(margin=2.0),
+                              state=ExpertScalingState(recipe, 2))
+    with pytest.raises(ValueError, match="weight cache is the state's"):
+        fp8ops.grouped_linear(x, w, offsets, state=ExpertScalingState(recipe, 2),
+                              weight_cache=fp8ops.scaling.WeightCache())
+    with pytest.raises(TypeError, match="ExpertScalingState"):
+        fp8ops.grouped_linear(x, w, offsets, state=fp8ops.ScalingState(recipe))
+    with pytest.raises(TypeError, match="DelayedScaling"):
+        ExpertScalingState(fp8ops.CurrentScaling(), 2)
+
+
+def test_delayed_layer_compiles_with_no_graph_break():
+    """Under torch.compile (fullgraph) the delayed layer gives eager's bytes and state; as the
+    dense layer's, its compiled calls cast the weight every call (stepping its role each live
+    forward), so the weight role is compared on a first step."""
+    torch._dynamo.reset()
+    layer, _ = _delayed_pair(DELAYED["max"], torch.float32)
+    import copy
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for i in range(3):
+        sizes = MICRO_SIZES[i]
+        x, dy = _micro_batch(i, sizes, torch.float32)
+        xc = x.detach().clone().requires_grad_()
+        y = eager(x, _offsets(sizes))
+        y.backward(dy)
+        yc = compiled(xc, _offsets(sizes))
+        yc.backward(dy)
+        _same(yc, y)
+        _same(xc.grad, x.grad)
+        _same(layer.weight.grad, eager.weight.grad)
+        for role in ("input", "grad") + (("weight",) if i == 0 else ()):
+            for name in ROLE_BUFFERS:
+                assert torch.equal(getattr(getattr(layer.fp8_state, role), name),
+                                   getattr(getattr(eager.fp8_state, role), name)), (role, name)
+
+
+def test_delayed_activation_checkpointing_recomputes_without_stepping():
+    """A checkpointed forward's recompute casts as the forward did and neither steps nor
+    records: the bytes and state of the same training without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+    layer, _ = _delayed_pair(DELAYED["max"], torch.float32)
+    import copy
+    plain = copy.deepcopy(layer)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (layer, plain)]
+    for i, sizes in enumerate(MICRO_SIZES[:4]):
+        x, dy = _micro_batch(i, sizes, torch.float32)
+        xp = x.detach().clone().requires_grad_()
+        y = checkpoint(layer, x, _offsets(sizes), use_reentrant=False)
+        y.backward(dy)
+        yp = plain(xp, _offsets(sizes))
+        yp.backward(dy)
+        _same(y, yp)
+        _same(x.grad, xp.grad)
+        _same(layer.weight.grad, plain.weight.grad)
+        for name, value in layer.fp8_state.state_dict().items():
+            assert torch.equal(value, plain.fp8_state.state_dict()[name]), name
+        if i % 2:
+            for o in opts:
+                o.step()
+                o.zero_grad()

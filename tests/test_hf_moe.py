@@ -88,7 +88,8 @@ def test_experts_module_runs_fp8_grouped_gemms_close_to_its_own_forward(name):
         assert _rel_err(p.grad, pr.grad) < 0.15, pname
 
 
-@pytest.mark.parametrize("recipe", [None, fp8ops.BlockwiseScaling()], ids=["current", "blockwise"])
+@pytest.mark.parametrize("recipe", [None, fp8ops.BlockwiseScaling(), fp8ops.DelayedScaling()],
+                         ids=["current", "blockwise", "delayed"])
 def test_mixtral_trains_close_to_bf16(recipe):
     fp8, ref = _model("mixtral", dtype=torch.bfloat16), _model("mixtral", dtype=torch.bfloat16)
     fp8ops.convert_to_fp8(fp8, recipe)
@@ -156,7 +157,7 @@ def test_copies_pickles_and_convert_back():
 def test_a_recipe_the_grouped_layer_does_not_take_leaves_the_experts(caplog):
     model = _model("mixtral")
     with caplog.at_level(logging.WARNING, logger="fp8ops.modules"):
-        fp8ops.convert_to_fp8(model, fp8ops.DelayedScaling())
+        fp8ops.convert_to_fp8(model, fp8ops.MXFP8Scaling())
     assert "high precision" in caplog.text
     assert not any("fp8_recipe" in m.__dict__ for m in model.modules())
     assert isinstance(model.model.layers[0].self_attn.q_proj, fp8ops.FP8Linear)
@@ -171,16 +172,60 @@ def test_filter_fn_picks_experts_too():
     assert experts.fp8_recipe == fp8ops.BlockwiseScaling()
 
 
-def test_converted_experts_compile_with_no_graph_break():
+@pytest.mark.parametrize("recipe", [None, fp8ops.DelayedScaling()], ids=["current", "delayed"])
+def test_converted_experts_compile_with_no_graph_break(recipe):
     torch._dynamo.reset()
     model = _model("mixtral")
-    fp8ops.convert_to_fp8(model)
+    fp8ops.convert_to_fp8(model, recipe)
     (experts,) = _experts(model)
     g = torch.Generator().manual_seed(7)
     x, index = torch.randn(10, 32, generator=g), torch.randint(0, 4, (10, 2), generator=g)
     weights = torch.rand(10, 2, generator=g)
+    twin = copy.deepcopy(experts)  # (delayed scaling: the same state before each call)
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
-    assert torch.equal(compiled(x, index, weights), experts(x, index, weights))
+    assert torch.equal(compiled(x, index, weights), twin(x, index, weights))
+    assert all(torch.equal(a, b) for a, b in zip(experts.state_dict().values(),
+                                                 twin.state_dict().values()))
+
+
+def test_delayed_scaling_converts_the_experts_with_a_state_per_weight():
+    """Each 3-D parameter gets its experts' delayed-scaling state (in the state_dict under
+    fp8_state, left out by plain_state_dict); training records, eval does not; converting again
+    with the same recipe keeps the state, convert_from_fp8 drops it."""
+    model = _model("mixtral")
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    fp8ops.convert_to_fp8(model, recipe)
+    (experts,) = _experts(model)
+    assert set(experts.fp8_state) == {"gate_up_proj", "down_proj"}
+    for name, state in experts.fp8_state.items():
+        assert state.num_experts == 4 and state.weight_cache is experts.fp8_weight_caches[name]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        model(**_batch(gen)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for state in experts.fp8_state.values():
+        for role in (state.input, state.weight, state.grad):
+            assert (role.step == 3).all() and role.amax_history.any()
+    keys = [k for k in model.state_dict() if ".experts.fp8_state." in k]
+    assert "model.layers.0.mlp.experts.fp8_state.down_proj.grad.amax_history" in keys
+    assert not any("fp8_state" in k for k in fp8ops.plain_state_dict(model))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        model(**_batch(gen))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    states = dict(experts.fp8_state)
+    fp8ops.convert_to_fp8(model, fp8ops.DelayedScaling(amax_history_len=4))
+    assert dict(experts.fp8_state) == states
+    fp8ops.convert_to_fp8(model, fp8ops.DelayedScaling(amax_history_len=8))
+    assert experts.fp8_state["down_proj"].input.amax_history.shape == (4, 8)
+    fp8ops.convert_to_fp8(model)  # current scaling: no delayed state left
+    assert "fp8_state" not in experts._modules
+    fp8ops.convert_to_fp8(model, recipe)
+    fp8ops.convert_from_fp8(model)
+    assert "fp8_state" not in experts._modules
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])  # gpt-oss: experts stored [E, in, out]

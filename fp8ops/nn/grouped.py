@@ -18,7 +18,15 @@ live optimizer holds the weight, its generation has not moved (an optimizer step
 weight's gradient is still the one this cast's backward accumulated; so once per optimizer step
 across the micro-batches of an accumulation window, and every forward without an optimizer.
 Without a cache, under torch.compile and during CUDA graph capture the weight is cast every call.
-Not here yet: delayed scaling, MXFP8, stochastic rounding and FSDP2.
+
+Delayed scaling: each expert has the dense layer's delayed-scaling state for its X rows, its
+weight and its dY rows (ExpertScalingState, buffers with a leading expert dimension), and goes
+through the dense delayed path (autograd.linear_per_tensor) on its own rows: the same steps,
+warm start, casts and amax records (0 for an expert with no tokens), the weight role stepping
+once per accumulation window as the cache decides. So expert g's bytes and state are those of
+a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
+with no graph break. The amaxes are not all-reduced across processes.
+Not here yet: MXFP8, stochastic rounding and FSDP2.
 """
 from __future__ import annotations
 
@@ -28,10 +36,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
-from ..scaling import (BlockwiseScaling, CurrentScaling, WeightCache, check_recipe, grad_margin,
-                       recipe_formats)
-from .autograd import first_order_only, output_dtype, weight_grad
+from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
+                                quantize_experts_scaled)
+from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
+                       grad_margin, recipe_formats)
+from ..scaling.expert_state import ExpertScalingState
+from ..scaling.weight_cache import GRADIENT, KEY
+from .autograd import _live, _warm, first_order_only, in_recompute, output_dtype, weight_grad
 from .functional import check_operands
 
 _ops = torch.ops.fp8ops
@@ -47,14 +58,35 @@ def _bias_grad(dy: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> t
     return sums.index_add_(0, expert, dy.to(_F32))[:-1].to(bias.dtype)
 
 
-def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache]) -> tuple:
+def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
+                  state: Optional[ExpertScalingState] = None) -> tuple:
     """The FP8 copies of all experts' weights, as the recipe's Function takes them: from the
-    cache when its rule allows (module doc), else cast now (and kept in the cache)."""
+    cache when its rule allows (module doc), else cast now (and kept in the cache). state: the
+    delayed-scaling state (DelayedScaling only), whose weight role a live forward steps when it
+    casts anew, once per accumulation window (the cache decides, as for the dense layer)."""
+    cast = _fresh_expert_cast(recipe) if state is None else _delayed_expert_cast(recipe, state)
+    live = state is not None and _live(state)
+    with torch.no_grad():
+        if (cache is None or torch.compiler.is_compiling()
+                or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return cast(weight, live, None)[0][1]
+        # a delayed recompute (activation checkpointing) reuses its forward's cast on the key
+        trust = KEY if state is not None and in_recompute() else GRADIENT
+        made, tensors = cache.get(weight, cast, live=live, trust=trust)
+        if made != recipe:  # the layer's recipe changed since that cast
+            cache.invalidate()
+            made, tensors = cache.get(weight, cast, live=live, trust=trust)
+        return tensors
+
+
+def _fresh_expert_cast(recipe):
+    """weight_cache.Cast of current and blockwise scaling: each expert from its own values (no
+    step, no given scale)."""
     fwd, _ = recipe_formats(recipe)
     p2 = recipe.power_of_two
     blockwise = isinstance(recipe, BlockwiseScaling)
 
-    def cast(w, step, scale):  # (weight_cache.Cast: no delayed scaling, so no step, no scale)
+    def cast(w, step, scale):
         w = w.detach()
         if blockwise:
             tensors = quantize_experts_blockwise(w, fwd.dtype, p2)
@@ -63,16 +95,50 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache]) ->
                                                                   p2)
             tensors = (data, data_t, scale_inv)
         return (recipe, tensors), None  # no per-tensor scale: one per expert, or blocks
+    return cast
 
-    with torch.no_grad():
-        if (cache is None or torch.compiler.is_compiling()
-                or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return cast(weight, False, None)[0][1]
-        made, tensors = cache.get(weight, cast, live=False)
-        if made != recipe:  # the layer's recipe changed since that cast
-            cache.invalidate()
-            made, tensors = cache.get(weight, cast, live=False)
-        return tensors
+
+def _delayed_expert_cast(recipe, state: ExpertScalingState):
+    """weight_cache.Cast of delayed scaling, the dense layer's per expert: a given scale [E]
+    (the window's) casts without stepping; else the weight role steps first when `step`, each
+    expert is cast with its role's scale (its own amax before anything was recorded) and records
+    its amax when `step`."""
+    fwd, _ = recipe_formats(recipe)
+    role = state.weight
+
+    def cast(w, step, scale):
+        w = w.detach()
+        if scale is None:
+            if step:
+                role.update(recipe, fwd, recipe.margin)
+            scale = (role.scale.clone() if role.started else
+                     quantize_experts_current(w, fwd.dtype, recipe.margin,
+                                              recipe.power_of_two)[2])
+        data, data_t, amax = quantize_experts_scaled(w, scale, fwd.dtype)
+        if step:
+            role.record(amax)
+            role.started = True
+        return (recipe, (data, data_t, torch.reciprocal(scale))), scale
+    return cast
+
+
+def _cast_rows(x, offsets, role, fmt, recipe, margin: float, *, update: bool, warm: bool,
+               record: bool, transpose: bool):
+    """Each group's rows cast with its expert's delayed scale, the dense quantize_delayed per
+    group: the role stepped first when `update`, each group's own amax as the scale when `warm`
+    (nothing recorded yet), the groups' amaxes recorded when `record` (an empty group's is 0).
+    (data, data_t, scale_inv [E])."""
+    if update:
+        role.update(recipe, fmt, margin)
+    if warm:
+        scale = _ops.quantize_current_grouped(x, offsets, fmt.dtype, margin,
+                                              recipe.power_of_two, False)[2]
+    else:
+        scale = role.scale.clone()  # a copy: the buffer changes before backward uses it
+    data, data_t, amax = _ops.quantize_scaled_grouped(x, offsets, scale, fmt.dtype, transpose)
+    if record:
+        role.record(amax)
+    return data, data_t, torch.reciprocal(scale)
 
 
 def _vouch_grad(cache: Optional[WeightCache], dw) -> None:
@@ -154,6 +220,68 @@ class GroupedLinearBlockwise(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
+class GroupedLinearDelayed(torch.autograd.Function):
+    """Delayed scaling: each expert's X rows, weight and dY rows cast with the scales of its own
+    amax histories (ExpertScalingState). X is cast before this Function (outside it the state's
+    host flags may change under torch.compile), dY in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype, w_cast, cache, x_cast, state):
+        xq, xq_t, x_scale_inv = x_cast
+        wq, wq_t, w_scale_inv = w_cast
+        y = _ops.grouped_gemm(xq, wq, offsets, x_scale_inv, w_scale_inv, bias, out_dtype)
+        ctx.save_for_backward(xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias)
+        ctx.meta = (recipe, x.dtype, state.warm["grad"])
+        ctx.state, ctx.cache = state, cache
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy):
+        xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias = ctx.saved_tensors
+        recipe, x_dtype, grad_warm = ctx.meta
+        state = ctx.state
+        _, bwd = recipe_formats(recipe)
+        dy = dy.contiguous()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        stepping = state.recording
+        gq, gq_t, g_scale_inv = _cast_rows(dy, offsets, state.grad, bwd, recipe,
+                                           grad_margin(recipe), update=stepping, warm=grad_warm,
+                                           record=stepping, transpose=need_dw)
+        if stepping and not torch.compiler.is_compiling():
+            state.grad.started = True  # (also for a forward that ran under no_grad)
+        dx = dw = db = None
+        if need_dx:
+            dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
+        if need_dw:
+            dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
+                gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
+            _vouch_grad(ctx.cache, dw)
+        if need_db and bias is not None:
+            db = _bias_grad(dy, offsets, bias)
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
+                            state: ExpertScalingState):
+    """The dense delayed path (autograd.linear_per_tensor) per expert: the weight cast, then X's
+    (stepping and recording when live), the gradient's warm choice decided here so that a
+    recompute sees the same."""
+    fwd, _ = recipe_formats(recipe)
+    live = _live(state)
+    w_cast = _cast_experts(weight, recipe, cache, state)
+    x_cast = _cast_rows(x, offsets, state.input, fwd, recipe, recipe.margin, update=live,
+                        warm=_warm(state, "input", live), record=live, transpose=True)
+    if live:
+        state.warm["grad"] = not state.grad.started
+    y = GroupedLinearDelayed.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, cache,
+                                   x_cast, state)
+    if live:
+        state.input.started = True
+        state.grad.started = state.grad.started or torch.is_grad_enabled()
+    return y
+
+
 def _check(x, weight, offsets, bias) -> None:
     check_operands(x, weight)
     if weight.dim() != 3:
@@ -183,36 +311,75 @@ def _check_grouped_recipe(recipe):
             raise NotImplementedError("grouped_linear takes CurrentScaling without "
                                       "amax_percentile and with round-to-nearest gradients")
         return recipe
+    if isinstance(recipe, DelayedScaling):
+        if recipe.grad_rounding == "stochastic":
+            raise NotImplementedError("grouped_linear takes DelayedScaling with "
+                                      "round-to-nearest gradients")
+        return recipe
     if isinstance(recipe, BlockwiseScaling):
         return recipe
-    raise NotImplementedError(f"grouped_linear supports CurrentScaling and BlockwiseScaling, "
-                              f"not {type(recipe).__name__} yet")
+    raise NotImplementedError(f"grouped_linear supports CurrentScaling, DelayedScaling and "
+                              f"BlockwiseScaling, not {type(recipe).__name__} yet")
+
+
+def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
+    if not isinstance(state, ExpertScalingState):
+        raise TypeError(f"state must be an fp8ops.nn.grouped.ExpertScalingState, got "
+                        f"{type(state).__name__}")
+    if recipe is not None and recipe != state.recipe:
+        raise ValueError(f"recipe {recipe} differs from the state's recipe {state.recipe}")
+    if state.num_experts != weight.shape[0]:
+        raise ValueError(f"the state holds {state.num_experts} experts but the weight has "
+                         f"{weight.shape[0]}")
+    if weight_cache is not None and weight_cache is not state.weight_cache:
+        raise ValueError("with a state, the weight cache is the state's (state.weight_cache): "
+                         "pass weight_cache=None or that one")
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        raise NotImplementedError("grouped_linear with DelayedScaling does not all-reduce the "
+                                  "experts' amaxes across processes yet")
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                    bias: Optional[torch.Tensor] = None, *, recipe=None,
-                   weight_cache: Optional[WeightCache] = None) -> torch.Tensor:
+                   weight_cache: Optional[WeightCache] = None,
+                   state: Optional[ExpertScalingState] = None) -> torch.Tensor:
     """y_g = x_g @ weight[g].T (+ bias[g]) for each expert g, with FP8 GEMMs in forward and
     backward. x [M, in] sorted by expert, weight [E, out, in], offsets int32 [E] (expert g's
     rows end at offsets[g]; rows past offsets[-1] give zero rows), bias [E, out] or None.
     Returns [M, out] in x's dtype (under torch.autocast, the autocast dtype); the gradients come
     in x's and the weight's dtypes. recipe: None (current scaling, a scale per expert) or
-    fp8ops.CurrentScaling / fp8ops.BlockwiseScaling. weight_cache: a WeightCache (one per
-    weight) that keeps the experts' FP8 cast between calls under the dense layers' reuse rule
-    (module doc); None: cast every call."""
+    fp8ops.CurrentScaling / fp8ops.DelayedScaling / fp8ops.BlockwiseScaling. weight_cache: a
+    WeightCache (one per weight) that keeps the experts' FP8 cast between calls under the dense
+    layers' reuse rule (module doc); None: cast every call. DelayedScaling needs `state`
+    (ExpertScalingState(recipe, E)), which holds each expert's amax histories and its own weight
+    cache (used here; recipe may then be left out)."""
     _check(x, weight, offsets, bias)
+    if state is not None:
+        _check_state(state, recipe, weight, weight_cache)
+        recipe, weight_cache = state.recipe, state.weight_cache
     recipe = _check_grouped_recipe(recipe)
-    function = (GroupedLinearBlockwise if isinstance(recipe, BlockwiseScaling)
-                else GroupedLinearCurrent)
+    if isinstance(recipe, DelayedScaling) and state is None:
+        raise ValueError("DelayedScaling keeps an amax history per expert: pass "
+                         "state=ExpertScalingState(recipe, num_experts) (FP8GroupedLinear does "
+                         "this for you)")
     if weight_cache is not None and torch.compiler.is_compiling():
         weight_cache = None  # (a compiled call casts every time)
     out_dtype = output_dtype(x)
     if out_dtype == x.dtype:
-        w_cast = _cast_experts(weight, recipe, weight_cache)
-        return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
+        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state)
     with torch.autocast(x.device.type, enabled=False):  # the output's dtype is decided
-        w_cast = _cast_experts(weight, recipe, weight_cache)
-        return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
+        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state)
+
+
+def _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state):
+    if isinstance(recipe, DelayedScaling):
+        return _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, weight_cache,
+                                       state)
+    function = (GroupedLinearBlockwise if isinstance(recipe, BlockwiseScaling)
+                else GroupedLinearCurrent)
+    w_cast = _cast_experts(weight, recipe, weight_cache)
+    return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
 
 
 class FP8GroupedLinear(nn.Module):
@@ -222,7 +389,9 @@ class FP8GroupedLinear(nn.Module):
     nn.Linear initializes its weight. `weight_cache` (a WeightCache) keeps the experts' FP8 cast
     between calls: one cast per optimizer step for all experts (module doc); call
     `weight_cache.invalidate()` after changing the weight where an optimizer that holds it
-    cannot see it (a `p.data` update between its steps)."""
+    cannot see it (a `p.data` update between its steps). With DelayedScaling each expert's
+    amax histories and scales are buffers of `fp8_state` (an ExpertScalingState, in the
+    state_dict); eval mode casts with them as trained and records nothing."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  recipe=None, *, device=None, dtype=None):
@@ -235,6 +404,9 @@ class FP8GroupedLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias
                      else None)
         self.weight_cache = WeightCache()
+        if isinstance(self.recipe, DelayedScaling):
+            self.fp8_state = ExpertScalingState(self.recipe, num_experts, device,
+                                                self.weight_cache)
         self.reset_parameters()
 
     def _apply(self, fn, recurse=True):
@@ -251,13 +423,28 @@ class FP8GroupedLinear(nn.Module):
             nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
         if "weight_cache" in self.__dict__:
             self.weight_cache.invalidate()
+        if "fp8_state" in self._modules:
+            self.fp8_state.reset()
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return grouped_linear(x, self.weight, offsets, self.bias, recipe=self.recipe,
-                              weight_cache=self.__dict__.get("weight_cache"))
+                              weight_cache=self.__dict__.get("weight_cache"),
+                              state=self._delayed_state())
+
+    def _delayed_state(self) -> Optional[ExpertScalingState]:
+        """The delayed-scaling state of the layer's recipe (a fresh one after the recipe
+        changed), recording in training mode only; None for the other recipes."""
+        if not isinstance(self.recipe, DelayedScaling):
+            return None
+        state = self._modules.get("fp8_state")
+        if state is None or state.recipe != self.recipe:
+            state = self.fp8_state = ExpertScalingState(self.recipe, self.num_experts,
+                                                        self.weight.device, self.weight_cache)
+        state.set_recording(self.training)
+        return state
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

@@ -10,11 +10,16 @@ top_k_weights [T, k]).
 convert_experts gives such a module a forward of its own (an instance attribute over the class's)
 that sorts the token-expert pairs by expert and runs both projections through
 fp8ops.grouped_linear; the parameters stay where they are, under their names, so
-save_pretrained / from_pretrained and state_dict are untouched. The gating between the
+save_pretrained / from_pretrained and state_dict keep them as they are (delayed scaling adds
+its buffers, below). The gating between the
 projections is the module's own (`_apply_gate`, or `act_fn` without gating). Each 3-D parameter
 has a WeightCache of its own (`fp8_weight_caches`, by parameter name): all its experts are cast
 once per optimizer step (fp8ops.nn.grouped); `fp8_weight_caches[name].invalidate()` after a
-`p.data` update between the steps of the optimizer that holds it.
+`p.data` update between the steps of the optimizer that holds it. With DelayedScaling each 3-D
+parameter also has its experts' delayed-scaling state, an ExpertScalingState in the submodule
+`fp8_state` (a ModuleDict by parameter name, holding that parameter's weight cache): its buffers
+are in the module's state_dict under `fp8_state.`, as an FP8Linear's are (plain_state_dict
+leaves them out), and follow the module's device moves. Casts record in training mode only.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..scaling import BlockwiseScaling, CurrentScaling, WeightCache
+from ..scaling import BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache
+from ..scaling.expert_state import ExpertScalingState
 from .grouped import grouped_linear
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
@@ -47,6 +53,8 @@ def grouped_recipe(recipe) -> bool:
     """Whether fp8ops.grouped_linear takes this recipe."""
     if isinstance(recipe, BlockwiseScaling):
         return True
+    if isinstance(recipe, DelayedScaling):
+        return recipe.grad_rounding != "stochastic"
     return (isinstance(recipe, CurrentScaling) and recipe.amax_percentile is None
             and recipe.grad_rounding != "stochastic")
 
@@ -54,9 +62,10 @@ def grouped_recipe(recipe) -> bool:
 def convert_experts(module: nn.Module, recipe,
                     filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Counter:
     """Give every transformers experts module in `module` (itself included) filter_fn picks an
-    FP8 forward with `recipe` (a converted one takes the new recipe). A recipe the grouped layer
-    does not take (DelayedScaling, MXFP8Scaling, stochastic rounding, a percentile amax) leaves
-    them in high precision, with a warning. Returns the count converted, by class name."""
+    FP8 forward with `recipe` (a converted one takes the new recipe; one that has it already
+    keeps its FP8 state). A recipe the grouped layer does not take (MXFP8Scaling, stochastic
+    rounding, a percentile amax) leaves them in high precision, with a warning. Returns the
+    count converted, by class name."""
     picked = [(fqn, mod) for fqn, mod in module.named_modules()
               if is_hf_experts(mod) and (filter_fn is None or filter_fn(mod, fqn))]
     kinds: Counter = Counter()
@@ -64,20 +73,41 @@ def convert_experts(module: nn.Module, recipe,
         return kinds
     if not grouped_recipe(recipe):
         logger.warning("fp8ops: convert_to_fp8 leaves %d mixture-of-experts module(s) in high "
-                       "precision: their FP8 grouped layer takes CurrentScaling or "
-                       "BlockwiseScaling, not %r", len(picked), recipe)
+                       "precision: their FP8 grouped layer takes CurrentScaling, "
+                       "DelayedScaling or BlockwiseScaling (round-to-nearest gradients, no "
+                       "percentile amax), not %r", len(picked), recipe)
         return kinds
     for _, mod in picked:
         if getattr(mod, "_is_expert_parallel", False):
             raise NotImplementedError("convert_to_fp8: expert-parallel experts modules are not "
                                       "supported by the FP8 grouped layer yet")
+        if not _has_recipe(mod, recipe):
+            mod.fp8_weight_caches = {name: WeightCache() for name in
+                                     ("gate_up_proj", "up_proj", "down_proj")
+                                     if isinstance(getattr(mod, name, None), nn.Parameter)}
+            _set_expert_states(mod, recipe)
         mod.fp8_recipe = recipe
-        mod.fp8_weight_caches = {name: WeightCache() for name in
-                                 ("gate_up_proj", "up_proj", "down_proj")
-                                 if isinstance(getattr(mod, name, None), nn.Parameter)}
         mod.forward = functools.partial(fp8_experts_forward, mod)
         kinds[type(mod).__name__] += 1
     return kinds
+
+
+def _has_recipe(mod: nn.Module, recipe) -> bool:
+    """mod was converted with `recipe` already (dataclass equality leaves the process group out:
+    compared by identity)."""
+    old = mod.__dict__.get("fp8_recipe")
+    return (old == recipe and "fp8_weight_caches" in mod.__dict__
+            and getattr(old, "process_group", None) is getattr(recipe, "process_group", None))
+
+
+def _set_expert_states(mod: nn.Module, recipe) -> None:
+    """A fresh delayed-scaling state per 3-D parameter (DelayedScaling), none otherwise."""
+    mod._modules.pop("fp8_state", None)
+    if isinstance(recipe, DelayedScaling):
+        mod.fp8_state = nn.ModuleDict({
+            name: ExpertScalingState(recipe, getattr(mod, name).shape[0],
+                                     getattr(mod, name).device, cache)
+            for name, cache in mod.fp8_weight_caches.items()})
 
 
 def restore_experts(module: nn.Module) -> None:
@@ -87,11 +117,23 @@ def restore_experts(module: nn.Module) -> None:
             del mod.fp8_recipe
             mod.__dict__.pop("fp8_weight_caches", None)
             mod.__dict__.pop("forward", None)
+            mod._modules.pop("fp8_state", None)
 
 
 def _weight(mod: nn.Module, name: str) -> torch.Tensor:
     w = getattr(mod, name)
     return w.transpose(1, 2) if mod.is_transposed else w  # [E, out, in]
+
+
+def _scaling(mod: nn.Module, name: str, caches: dict) -> dict:
+    """grouped_linear's weight_cache and state arguments for the parameter `name`: a delayed
+    state brings its cache, recording in training mode only."""
+    states = mod._modules.get("fp8_state")
+    if states is None:
+        return {"weight_cache": caches.get(name)}
+    state = states[name]
+    state.set_recording(mod.training)
+    return {"state": state}
 
 
 def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -112,11 +154,11 @@ def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index
     caches = mod.__dict__.get("fp8_weight_caches", {})
     h = grouped_linear(x, _weight(mod, up_name), offsets,
                        getattr(mod, up_name + "_bias") if bias else None, recipe=mod.fp8_recipe,
-                       weight_cache=caches.get(up_name))
+                       **_scaling(mod, up_name, caches))
     h = mod._apply_gate(h) if gated else mod.act_fn(h)
     out = grouped_linear(h, _weight(mod, "down_proj"), offsets,
                          mod.down_proj_bias if bias else None, recipe=mod.fp8_recipe,
-                         weight_cache=caches.get("down_proj"))
+                         **_scaling(mod, "down_proj", caches))
     if getattr(mod, "has_post_expert_norm", False):
         out = mod.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)

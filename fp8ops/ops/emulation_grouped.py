@@ -5,8 +5,9 @@ of the input (offsets[-1] = 0), as torch._grouped_mm takes them; rows from offse
 belong to no group (their output rows are zeros). Each op is a loop over the groups calling the
 dense op of emulation.py (or, for the casts, the dense cast op) on that group's rows, so every
 group's bytes are those of the dense op on the group alone, empty groups included (zero rows,
-a zero weight gradient). The loop reads the offsets on the host. quantize_current_grouped is the
-exception: all groups at once on the device, with the same bytes (its docstring).
+a zero weight gradient). The loop reads the offsets on the host. The per-tensor casts
+(quantize_current_grouped, quantize_scaled_grouped) are the exception: all groups at once on
+the device, with the same bytes (their docstrings).
 """
 from __future__ import annotations
 
@@ -160,24 +161,35 @@ def quantize_current_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torc
     rows' amax, the scales by scale_from_amax over [E], the cast as the dense one's (one float32
     multiply per element, saturating round to nearest even). Max is exact in any order, so every
     group's bytes are the dense op's on its rows (tests/test_grouped.py checks it)."""
-    M, K = x.shape
+    M = x.shape[0]
     E = offsets.shape[0]
     check_offset_values("quantize_current_grouped", offsets, M)
     fmt = get_format(dtype)
-    group = row_groups(offsets, M)  # E for rows past the last group
-    xf = emulation._f32(x)
-    row_amax = xf.abs().amax(dim=1) if K else xf.new_zeros(M)
-    amax = row_amax.new_zeros(E + 1).scatter_reduce_(0, group, row_amax, "amax")
-    # NaN must win, as in the dense amax, whatever scatter_reduce makes of it
-    nan = row_amax.new_zeros(E + 1).index_add_(0, group, row_amax.isnan().float()) > 0
-    amax = torch.where(nan, float("nan"), amax)[:E]
+    group, xf = row_groups(offsets, M), emulation._f32(x)
+    amax = _group_amax(xf, group, E)
     scale = emulation.scale_from_amax(amax, torch.ones_like(amax), fmt.max, margin, power_of_two)
+    data, data_t = _cast_by_group(xf, group, scale, fmt, transpose)
+    return data, data_t, scale, torch.reciprocal(scale)
+
+
+def _group_amax(xf: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """max |x| over each group's rows (float32 [E]; 0 for an empty group, NaN wins)."""
+    row_amax = xf.abs().amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+    amax = row_amax.new_zeros(groups + 1).scatter_reduce_(0, group, row_amax, "amax")
+    # NaN must win, as in the dense amax, whatever scatter_reduce makes of it
+    nan = row_amax.new_zeros(groups + 1).index_add_(0, group, row_amax.isnan().float()) > 0
+    return torch.where(nan, float("nan"), amax)[:groups]
+
+
+def _cast_by_group(xf: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, fmt,
+                   transpose: bool):
+    """Each row times its group's scale, rounded as the dense cast does; rows of no group are
+    zero bytes. (data, data^T or an empty tensor)."""
     row_scale = torch.cat([scale, scale.new_zeros(1)])[group]
     data = emulation._rne_fp8(xf * row_scale.unsqueeze(1), fmt, inplace=True)
-    owned = (group < E).unsqueeze(1)
-    data = torch.where(owned, data.view(torch.uint8), 0).view(dtype)  # rows of no group: zeros
-    data_t = data.t().contiguous() if transpose else data.new_empty((0,))
-    return data, data_t, scale, torch.reciprocal(scale)
+    owned = (group < scale.shape[0]).unsqueeze(1)
+    data = torch.where(owned, data.view(torch.uint8), 0).view(fmt.dtype)
+    return data, data.t().contiguous() if transpose else data.new_empty((0,))
 
 
 def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -200,6 +212,21 @@ def check_offset_values(op: str, offsets: torch.Tensor, rows: int) -> None:
         ok = ok & (offsets[1:] >= offsets[:-1]).all()
     torch._assert_async(ok, f"fp8ops: {op}: offsets must be non-negative, non-decreasing and at "
                             f"most the {rows} rows of the input")
+
+
+def quantize_scaled_grouped(x: torch.Tensor, offsets: torch.Tensor, scale: torch.Tensor,
+                            dtype: torch.dtype, transpose: bool = False):
+    """Each group's rows cast with the group's given scale (the op quantize on the group; delayed
+    scaling): (data [M, K], data^T [K, M] or empty, amax [E] of each group's rows). Rows past the
+    last group are zero bytes; an empty group's amax is 0, the dense amax of an empty tensor.
+    All groups at once on the device, as quantize_current_grouped."""
+    M = x.shape[0]
+    E = offsets.shape[0]
+    check_offset_values("quantize_scaled_grouped", offsets, M)
+    _check_scales("quantize_scaled_grouped", scale, [(E,)], "scale")
+    group, xf = row_groups(offsets, M), emulation._f32(x)
+    data, data_t = _cast_by_group(xf, group, emulation._f32(scale), get_format(dtype), transpose)
+    return data, data_t, _group_amax(xf, group, E)
 
 
 def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,

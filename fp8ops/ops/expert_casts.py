@@ -22,6 +22,21 @@ def quantize_experts_current(w: torch.Tensor, dtype: torch.dtype, margin: float,
             torch.stack([c[2] for c in casts]), torch.stack([c[3] for c in casts]))
 
 
+def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """Each expert cast with its given scale (delayed scaling), as the op quantize casts a dense
+    weight: (data [E, N, K], data^T [E, K, N], amax [E] of each expert's values)."""
+    _need_3d(w)
+    if tuple(scale.shape) != (w.shape[0],):
+        raise ValueError(f"fp8ops: the experts' scales must have shape ({w.shape[0]},) (one per "
+                         f"expert), got {tuple(scale.shape)}")
+    casts = [_ops.quantize(w[g], scale[g], dtype, True) for g in range(w.shape[0])]
+    if not casts:
+        data, data_t, amax, _ = _empty_experts(w, dtype, (0,))
+        return data, data_t, amax
+    return (torch.stack([c[0] for c in casts]), torch.stack([c[1] for c in casts]),
+            torch.stack([c[2].float() for c in casts]))
+
+
 def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two: bool):
     """128x128 blocks per expert: (data [E, N, K], scale_inv [E, Nb, Kb], data^T [E, K, N],
     scale_inv^T [E, Kb, Nb], the transposed copy's blocks being the same blocks)."""

@@ -11,6 +11,8 @@ ops); it serves CUDA tensors too, except where the Hopper kernel takes the GEMM 
   grouped_gemm_wgrad_blockwise   the same with 1x128 blocks along M, packed per group
   quantize_current_grouped       per-group current scaling (and the transposed copy)
   quantize_blockwise_grouped     per-group 1x128 casts of x and of x^T
+  quantize_scaled_grouped        per-group casts with given scales [E] (delayed scaling), and
+                                 each group's amax
 dgrad (dX_g = dY_g W_g) is grouped_gemm with the weight's transposed copy [E, K, N] as b.
 
 On a Hopper GPU, grouped_gemm and grouped_gemm_wgrad with one scale per group run the CUTLASS
@@ -40,6 +42,8 @@ SCHEMAS = {
                                 "-> (Tensor, Tensor, Tensor, Tensor)",
     "quantize_blockwise_grouped": "(Tensor x, Tensor offsets, ScalarType dtype, "
                                   "bool power_of_two) -> (Tensor, Tensor, Tensor, Tensor)",
+    "quantize_scaled_grouped": "(Tensor x, Tensor offsets, Tensor scale, ScalarType dtype, "
+                               "bool transpose=False) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -157,6 +161,14 @@ def _gemm_sm90(a, b, offsets, a_scale_inv, b_scale_inv, out_dtype):
     return _gemm(a, b, offsets, a_scale_inv, b_scale_inv, None, out_dtype)
 
 
+def _quantize_scaled(x, offsets, scale, dtype, transpose=False):
+    check_offsets_meta("quantize_scaled_grouped", offsets)
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=dtype),
+            x.new_empty((k, m) if transpose else (0,), dtype=dtype),
+            x.new_empty((offsets.shape[0],), dtype=torch.float32))
+
+
 _FAKES = {
     "grouped_gemm_sm90": _gemm_sm90,
     "grouped_gemm_wgrad_sm90": _wgrad,
@@ -166,4 +178,5 @@ _FAKES = {
     "grouped_gemm_wgrad_blockwise": _wgrad,
     "quantize_current_grouped": _quantize_current,
     "quantize_blockwise_grouped": _quantize_blockwise,
+    "quantize_scaled_grouped": _quantize_scaled,
 }

@@ -1,0 +1,152 @@
+"""ExpertScalingState: the delayed-scaling state of a mixture-of-experts weight's grouped layer,
+each expert with state of its own.
+
+It is ScalingState's delayed-scaling part with a leading expert dimension: an ExpertRoleState for
+the input (each expert's rows of X), the weight and the gradient (each expert's rows of dY), whose
+buffers are RoleState's, [E, ...]. Expert g's slice goes through exactly what a dense layer's
+RoleState goes through when that layer runs on expert g's rows alone: the same update (the dense
+op on the slice, so the same bytes), the same amax record (an expert with no rows records 0, as a
+dense layer given an empty input does), the same warm start. The amaxes are not all-reduced
+across processes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..formats import get_format
+from ..ops.fused import record_amax, step_role
+from .recipes import DelayedScaling
+from .weight_cache import WeightCache
+
+logger = logging.getLogger("fp8ops.modules")
+
+
+class ExpertRoleState(nn.Module):
+    """RoleState's buffers for E experts: amax_history [E, L], scale, scale_inv, amax_rep,
+    pending_amax [E] (float32), step, nonfinite_count [E] (int64). All updates in place, on
+    the device, with no host sync."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "started":  # a plain bool, set by every live forward (as RoleState's)
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def __init__(self, num_experts: int, history_len: int, device=None):
+        super().__init__()
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("amax_history", torch.empty(num_experts, history_len, **f32))
+        for name in ("scale", "scale_inv", "amax_rep", "pending_amax"):
+            self.register_buffer(name, torch.empty(num_experts, **f32))
+        self.register_buffer("step", torch.empty(num_experts, **i64))
+        self.register_buffer("nonfinite_count", torch.empty(num_experts, **i64))
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for buf in (self.amax_history, self.amax_rep, self.pending_amax, self.step,
+                    self.nonfinite_count):
+            buf.zero_()
+        self.scale.fill_(1.0)
+        self.scale_inv.fill_(1.0)
+        self.started = False  # no amax recorded yet: casts take each expert's own amax
+
+    @torch.no_grad()
+    def update(self, recipe: DelayedScaling, fmt, margin: float) -> None:
+        """One step of every expert's state machine: the dense role's step on each expert's
+        slice (a loop over the experts, a count fixed by the weight, not over data)."""
+        fp8_max = get_format(fmt).max
+        for g in range(self.scale.shape[0]):
+            step_role(self.amax_history[g], self.scale[g], self.scale_inv[g], self.amax_rep[g],
+                      self.pending_amax[g], self.step[g], fp8_max, margin, recipe.interval,
+                      recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile,
+                      recipe.power_of_two)
+
+    @torch.no_grad()
+    def record(self, amax: torch.Tensor) -> None:
+        """pending = max(pending, amax) per expert; a non-finite amax is counted instead."""
+        record_amax(self.pending_amax, self.nonfinite_count, amax, torch.isfinite(amax))
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.started = bool((self.step > 0).any().item())  # one host read per load
+
+
+class ExpertScalingState(nn.Module):
+    """The delayed-scaling state of one grouped layer: `input`, `weight` and `grad`
+    (ExpertRoleState), the warm-start choices, whether casts record (`recording`: False in eval
+    mode), and the weight cache whose stepped cast a checkpoint keeps (`weight_cast_scale` [E],
+    zeros when there is none to reuse: a scale is never 0), as ScalingState does."""
+
+    ROLES = ("input", "weight", "grad")
+    delayed = True  # (read by the dense layer's helpers: autograd._live / _warm)
+
+    def __init__(self, recipe: DelayedScaling, num_experts: int, device=None,
+                 weight_cache: Optional[WeightCache] = None):
+        super().__init__()
+        if not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"ExpertScalingState takes a DelayedScaling recipe, got "
+                            f"{type(recipe).__name__}")
+        self.recipe = recipe
+        self.num_experts = num_experts
+        n = recipe.amax_history_len
+        self.input = ExpertRoleState(num_experts, n, device)
+        self.weight = ExpertRoleState(num_experts, n, device)
+        self.grad = ExpertRoleState(num_experts, n, device)
+        self.weight_cache = WeightCache() if weight_cache is None else weight_cache
+        self.recording = True
+        self.register_buffer("weight_cast_scale",
+                             torch.zeros(num_experts, dtype=torch.float32, device=device))
+        self.reset()
+
+    def reset(self) -> None:
+        """The initial state: fresh buffers, warm starts, no cast to reuse."""
+        for role in self.ROLES:
+            self._modules[role].reset()
+        self.warm = {"input": True, "grad": True}
+        self.weight_cache.invalidate()
+
+    def set_recording(self, on: bool) -> None:
+        self.__dict__["recording"] = on
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        with torch.no_grad():
+            scale = self.weight_cache.saved_scale()
+            if scale is None:
+                self.weight_cast_scale.zero_()
+            else:  # mid-accumulation: the scales of the cast the next forward reuses
+                self.weight_cast_scale.copy_(scale)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if not any(key.startswith(prefix) for key in state_dict):
+            # a checkpoint without FP8 state (a plain model's): load it with a fresh state
+            self.reset()
+            state_dict.update({prefix + k: v for k, v in self.state_dict().items()})
+            logger.info("fp8ops: %s has no FP8 state in the checkpoint; its FP8 state starts "
+                        "fresh", prefix.rstrip(".") or "ExpertScalingState")
+        self.weight_cache.invalidate()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        scale = state_dict.get(prefix + "weight_cast_scale")
+        if (isinstance(scale, torch.Tensor) and tuple(scale.shape) == (self.num_experts,)
+                and not scale.is_meta and bool((scale != 0).all().item())):
+            self.weight_cache.restore(scale.to(self.weight.scale.device, torch.float32,
+                                               copy=True))
+
+    def _apply(self, fn, recurse=True):
+        # .half() / .to(dtype) must not touch the float32 scales; device moves still apply
+        def keep_dtype(t):
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(new.device)
+
+        scale = self.weight_cache.saved_scale()  # the cast to reuse keeps its scales
+        self.weight_cache.restore(None if scale is None else keep_dtype(scale))
+        return super()._apply(keep_dtype, recurse)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}"
