@@ -33,12 +33,12 @@ def in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _live(state: Optional[ScalingState]) -> bool:
+def steps_state(state: Optional[ScalingState]) -> bool:
     """Whether this forward steps and records the delayed-scaling state."""
     return state is not None and state.delayed and state.recording and not in_recompute()
 
 
-def _warm(state: ScalingState, role: str, live: bool) -> bool:
+def takes_warm_scale(state: ScalingState, role: str, live: bool) -> bool:
     """Whether this cast of a delayed-scaling role takes a warm scale (nothing recorded yet).
     A live forward decides and keeps the choice: its activation-checkpointing recompute (after
     the role has recorded) must cast exactly as it did."""
@@ -296,7 +296,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
     then only carries the gradient). out_dtype: the output's (default x2's; output_dtype)."""
     fwd, _ = recipe_formats(recipe)
     delayed = state is not None and state.delayed
-    live = _live(state)
+    live = steps_state(state)
     if x_cast is not None and delayed:
         raise ValueError("a pre-cast input takes current scaling, not DelayedScaling")
 
@@ -318,7 +318,7 @@ def linear_per_tensor(x2, weight, bias, recipe, state: Optional[ScalingState], x
         cast_stats.observe(state, "weight", cast_stats.per_tensor_stats(
             cast_stats.weight_values(state, weight), w_data, w_scale))
     if x_cast is None:
-        warm = delayed and _warm(state, "input", live)
+        warm = delayed and takes_warm_scale(state, "input", live)
         xq, xq_t, x_scale, x_scale_inv, _ = cast_per_tensor(
             x2, state.input if delayed else None, fwd, recipe, recipe.margin, update=live,
             warm=warm, record=live, shards=_shards(state, "input"), state=state, name="input")

@@ -42,7 +42,8 @@ from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightC
                        grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import GRADIENT, KEY
-from .autograd import _live, _warm, first_order_only, in_recompute, output_dtype, weight_grad
+from .autograd import first_order_only, in_recompute, output_dtype, steps_state,
+                       takes_warm_scale, weight_grad
 from .functional import check_operands
 
 _ops = torch.ops.fp8ops
@@ -65,7 +66,7 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
     delayed-scaling state (DelayedScaling only), whose weight role a live forward steps when it
     casts anew, once per accumulation window (the cache decides, as for the dense layer)."""
     cast = _fresh_expert_cast(recipe) if state is None else _delayed_expert_cast(recipe, state)
-    live = state is not None and _live(state)
+    live = state is not None and steps_state(state)
     with torch.no_grad():
         if (cache is None or torch.compiler.is_compiling()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -268,10 +269,10 @@ def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
     (stepping and recording when live), the gradient's warm choice decided here so that a
     recompute sees the same."""
     fwd, _ = recipe_formats(recipe)
-    live = _live(state)
+    live = steps_state(state)
     w_cast = _cast_experts(weight, recipe, cache, state)
     x_cast = _cast_rows(x, offsets, state.input, fwd, recipe, recipe.margin, update=live,
-                        warm=_warm(state, "input", live), record=live, transpose=True)
+                        warm=takes_warm_scale(state, "input", live), record=live, transpose=True)
     if live:
         state.warm["grad"] = not state.grad.started
     y = GroupedLinearDelayed.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, cache,

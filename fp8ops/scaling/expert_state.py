@@ -84,7 +84,7 @@ class ExpertScalingState(nn.Module):
     zeros when there is none to reuse: a scale is never 0), as ScalingState does."""
 
     ROLES = ("input", "weight", "grad")
-    delayed = True  # (read by the dense layer's helpers: autograd._live / _warm)
+    delayed = True  # (read by the dense layer's helpers: autograd.steps_state / takes_warm_scale)
 
     def __init__(self, recipe: DelayedScaling, num_experts: int, device=None,
                  weight_cache: Optional[WeightCache] = None):
