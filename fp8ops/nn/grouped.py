@@ -42,8 +42,8 @@ from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightC
                        grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import GRADIENT, KEY
-from .autograd import first_order_only, in_recompute, output_dtype, steps_state,
-                       takes_warm_scale, weight_grad
+from .autograd import (first_order_only, in_recompute, output_dtype, steps_state,
+                       takes_warm_scale, weight_grad)
 from .functional import check_operands
 
 _ops = torch.ops.fp8ops

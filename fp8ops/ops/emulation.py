@@ -546,7 +546,8 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
                          pending_amax: torch.Tensor, step: torch.Tensor, fp8_max: float,
                          margin: float, interval: int, algo: str, ema_alpha: float,
                          percentile: float, power_of_two: bool):
-    """One step of the delayed-scaling state machine, with no host sync.
+    """One step of the delayed-scaling state machine, with no host sync. (The tensor formulas
+    also take a batch of state machines: history [..., L], the other tensors [...].)
 
     `step` counts calls (the caller increments it first). On steps that are a multiple of
     `interval`: roll the history, put the pending amax in slot 0, reset pending to 0, compute the
@@ -564,29 +565,30 @@ def delayed_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, amax_r
             hist, new_scale, scale_inv, rep, pending = outs
             return (torch.tensor(hist, dtype=f32), *(torch.tensor(v, dtype=f32)
                                                      for v in (new_scale, scale_inv, rep, pending)))
-    L = amax_history.numel()
+    # along the last dim: a history [..., L] with state [...] (a grouped layer's experts, [E])
+    L = amax_history.shape[-1]
     do = (step % interval) == 0
     n_updates = step // interval
-    hist = torch.roll(amax_history, 1)
-    hist = torch.cat([pending_amax.reshape(1), hist[1:]])
+    hist = torch.roll(amax_history, 1, dims=-1)
+    hist = torch.cat([pending_amax.unsqueeze(-1), hist[..., 1:]], dim=-1)
     if algo == "max":
-        rep = hist.amax()
+        rep = hist.amax(dim=-1)
     elif algo == "most_recent":
-        rep = hist[0]
+        rep = hist[..., 0]
     elif algo == "ema":
         a = torch.full((), ema_alpha, dtype=torch.float32, device=hist.device)
         b = torch.full((), 1.0 - ema_alpha, dtype=torch.float32, device=hist.device)
-        rep = torch.where(n_updates <= 1, hist[0], a * hist[0] + b * amax_rep)
+        rep = torch.where(n_updates <= 1, hist[..., 0], a * hist[..., 0] + b * amax_rep)
     elif algo == "percentile":  # nearest rank over the filled slots (unfilled slots are 0)
         n = n_updates.clamp(1, L)
-        srt = torch.sort(hist).values
+        srt = torch.sort(hist, dim=-1).values
         q = torch.full((), percentile / 100.0, dtype=torch.float64, device=hist.device)
         rank = torch.ceil(q * n).long().clamp(1, L)
-        rep = srt.gather(0, (L - n + rank - 1).reshape(1)).reshape(())
+        rep = srt.gather(-1, (L - n + rank - 1).unsqueeze(-1)).squeeze(-1)
     else:
         raise ValueError(f"unknown amax_compute_algo {algo!r}; expected one of {_ALGOS}")
     new_scale = scale_from_amax(rep, scale, fp8_max, margin, power_of_two)
-    hist = torch.where(do, hist, amax_history)
+    hist = torch.where(do.unsqueeze(-1), hist, amax_history)
     rep = torch.where(do, rep, amax_rep)
     new_scale = torch.where(do, new_scale, scale)
     pending = torch.where(do, torch.zeros_like(pending_amax), pending_amax)

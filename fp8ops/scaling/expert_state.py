@@ -5,7 +5,7 @@ It is ScalingState's delayed-scaling part with a leading expert dimension: an Ex
 the input (each expert's rows of X), the weight and the gradient (each expert's rows of dY), whose
 buffers are RoleState's, [E, ...]. Expert g's slice goes through exactly what a dense layer's
 RoleState goes through when that layer runs on expert g's rows alone: the same update (the dense
-op on the slice, so the same bytes), the same amax record (an expert with no rows records 0, as a
+update's formulas over all experts at once, so the same bytes), the same amax record (an expert with no rows records 0, as a
 dense layer given an empty input does), the same warm start. The amaxes are not all-reduced
 across processes.
 """
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..formats import get_format
-from ..ops.fused import record_amax, step_role
+from ..ops import emulation
+from ..ops.fused import record_amax
 from .recipes import DelayedScaling
 from .weight_cache import WeightCache
 
@@ -58,14 +59,16 @@ class ExpertRoleState(nn.Module):
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, fmt, margin: float) -> None:
-        """One step of every expert's state machine: the dense role's step on each expert's
-        slice (a loop over the experts, a count fixed by the weight, not over data)."""
-        fp8_max = get_format(fmt).max
-        for g in range(self.scale.shape[0]):
-            step_role(self.amax_history[g], self.scale[g], self.scale_inv[g], self.amax_rep[g],
-                      self.pending_amax[g], self.step[g], fp8_max, margin, recipe.interval,
-                      recipe.amax_compute_algo, recipe.ema_alpha, recipe.percentile,
-                      recipe.power_of_two)
+        """One step of every expert's state machine at once: the dense update's tensor
+        formulas over the experts' histories [E, L] (each expert's bytes are the dense role's;
+        a fixed number of ops, none per expert)."""
+        self.step.add_(1)
+        outs = emulation.delayed_scale_update(
+            self.amax_history, self.scale, self.amax_rep, self.pending_amax, self.step,
+            get_format(fmt).max, margin, recipe.interval, recipe.amax_compute_algo,
+            recipe.ema_alpha, recipe.percentile, recipe.power_of_two)
+        torch._foreach_copy_([self.amax_history, self.scale, self.scale_inv, self.amax_rep,
+                              self.pending_amax], list(outs))
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor) -> None:
