@@ -28,10 +28,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..distributed import on_weight_set
 from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
 from ..scaling import (BlockwiseScaling, CurrentScaling, WeightCache, check_recipe, grad_margin,
                        recipe_formats)
-from .autograd import first_order_only, output_dtype, weight_grad
+from .autograd import first_order_only, is_gathered, output_dtype, weight_grad
 from .functional import check_operands
 
 _ops = torch.ops.fp8ops
@@ -65,6 +66,8 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache]) ->
         return (recipe, tensors), None  # no per-tensor scale: one per expert, or blocks
 
     with torch.no_grad():
+        if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp.py)
+            return weight.expert_payload(cache)
         if (cache is None or torch.compiler.is_compiling()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
             return cast(weight, False, None)[0][1]
@@ -222,7 +225,12 @@ class FP8GroupedLinear(nn.Module):
     nn.Linear initializes its weight. `weight_cache` (a WeightCache) keeps the experts' FP8 cast
     between calls: one cast per optimizer step for all experts (module doc); call
     `weight_cache.invalidate()` after changing the weight where an optimizer that holds it
-    cannot see it (a `p.data` update between its steps)."""
+    cannot see it (a `p.data` update between its steps). Under FSDP2 the weight is gathered in
+    FP8 (module doc); set `fp8_all_gather = False` before fully_shard to gather it in high
+    precision."""
+
+    # under FSDP2, gather the experts in FP8 where the recipe allows (distributed/fsdp.py)
+    fp8_all_gather = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  recipe=None, *, device=None, dtype=None):
@@ -236,6 +244,13 @@ class FP8GroupedLinear(nn.Module):
                      else None)
         self.weight_cache = WeightCache()
         self.reset_parameters()
+
+    def __setattr__(self, name, value):
+        # FSDP2 sets its sharded parameter through setattr when a module defines it: there
+        # fp8ops.distributed has FSDP2 gather the experts in FP8
+        if name == "weight":
+            on_weight_set(self, value)
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         # Module._apply may swap the weight for a new tensor (torch.utils.swap_tensors), which
