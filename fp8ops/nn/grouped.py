@@ -18,7 +18,11 @@ live optimizer holds the weight, its generation has not moved (an optimizer step
 weight's gradient is still the one this cast's backward accumulated; so once per optimizer step
 across the micro-batches of an accumulation window, and every forward without an optimizer.
 Without a cache, under torch.compile and during CUDA graph capture the weight is cast every call.
-Not here yet: delayed scaling, MXFP8, stochastic rounding and FSDP2.
+
+Under FSDP2 (fully_shard) FP8GroupedLinear's weight is gathered in FP8 (distributed/fsdp.py):
+each rank casts its whole experts, the gathered bytes and scales come as the weight, and the
+grouped GEMMs take them as they are.
+Not here yet: delayed scaling, MXFP8 and stochastic rounding.
 """
 from __future__ import annotations
 
