@@ -6,6 +6,7 @@ delayed-scaling layer). Public names are re-exported at fp8ops.* lazily, so that
 does not import torch.distributed.tensor."""
 
 
+import sys
 import weakref
 
 # layer -> the process groups (by id) whose ranks have compared its recipe (agreement.py)
@@ -13,11 +14,12 @@ _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def on_sharded_weight(layer, dtensor) -> None:
-    """An FP8Linear was given a DTensor weight (FSDP2's sharded parameter, or a tensor-parallel
-    style's): the first time, check that every rank of its mesh converted the layer with the
-    same recipe (every rank shards the same layers in the same order); then have FSDP2 gather it
-    in FP8 where the recipe allows. Registered by fp8ops in nn.modules.SHARDED_WEIGHT_HOOKS;
-    fsdp.py is imported with the first DTensor weight."""
+    """An FP8Linear or FP8GroupedLinear was given a DTensor weight (FSDP2's sharded parameter, or
+    a tensor-parallel style's): the first time, check that every rank of its mesh converted the
+    layer with the same recipe (every rank shards the same layers in the same order); then have
+    FSDP2 gather it in FP8 where the recipe allows. Registered by fp8ops in
+    nn.modules.SHARDED_WEIGHT_HOOKS (FP8GroupedLinear calls on_weight_set); fsdp.py is imported
+    with the first DTensor weight."""
     agreed = _AGREED.setdefault(layer, set())
     mesh = dtensor.device_mesh
     for dim in range(mesh.ndim):
@@ -26,7 +28,16 @@ def on_sharded_weight(layer, dtensor) -> None:
             from .agreement import check_recipes
             agreed.add(id(group))
             check_recipes(layer.recipe, group, once=False,
-                          what=f"an FP8Linear({layer.in_features}, {layer.out_features})")
+                          what=f"an {type(layer).__name__}({layer.in_features}, "
+                               f"{layer.out_features})")
     from . import fsdp
     if fsdp.gathers_fp8(layer, dtensor):
         fsdp.install(layer, dtensor)
+
+
+def on_weight_set(layer, value) -> None:
+    """A layer's weight was set: a DTensor goes to on_sharded_weight. (No DTensor can exist
+    before its module is imported: `import fp8ops` stays light.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(value, dtensor.DTensor):
+        on_sharded_weight(layer, value)

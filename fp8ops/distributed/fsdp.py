@@ -12,14 +12,22 @@ single-process training:
     re-gathers) reuses that scale;
   - BlockwiseScaling: 128x128 blocks are row-local when every shard has whole blocks (rows a
     multiple of 128, even shards): cast locally, gather data and block scales, no all-reduce.
+  - FP8GroupedLinear's experts [E, out, in] (current scaling, a scale per expert; blockwise,
+    128x128 blocks per expert): FSDP2 shards dim 0, so each rank holds whole experts and casts
+    them as the unsharded layer does, no all-reduce; data and per-expert scales are gathered.
+    The shard's cast is kept in the layer's WeightCache (source: the sharded parameter) and
+    reused under its rule: once per optimizer step. Experts that do not split evenly over the
+    ranks (FSDP2 then takes no scales beside the padded shard's bytes) and placements other than
+    Shard(0) (an expert split over ranks) gather in high precision, logged once per layer with
+    the reason (experts_gather_refusal).
 Everything else gathers the weight in high precision, as without this module: MXFP8 (its dgrad
 copy is blocked along N, across shards; gathering both FP8 copies moves as many bytes as bf16),
 a blockwise shard boundary inside a block, CurrentScaling with amax_percentile (a percentile is
 not a MAX of shard percentiles), meshes other than one Shard(0) dimension (FSDP2 over tensor
 parallelism: 2-D), and layers built with fp8_all_gather=False.
 
-FP8Linear installs the subclass itself when FSDP2 hands it its sharded parameter (FP8Linear's
-__setattr__), so `fully_shard(model)` on a converted model is all a user writes. Under
+FP8Linear and FP8GroupedLinear install the subclass when FSDP2 hands them their sharded
+parameter (their __setattr__), so `fully_shard(model)` on a converted model is all a user writes. Under
 torch.compile the layers with an FP8-gathered weight run eagerly (functional.linear).
 
 fp8ops.monitor does not sample the weight role of a layer gathered in FP8 (its shards are cast
@@ -28,7 +36,9 @@ The bytes saved are measured by bench/bench_comm.py (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import logging
 import weakref
+from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -36,6 +46,8 @@ from torch.utils._pytree import tree_map_only
 
 from ..nn.autograd import in_recompute
 from ..nn.functional import linear
+from ..nn.grouped import FP8GroupedLinear
+from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, current_scale,
                        recipe_formats, weight_cache)
 from .amax import all_reduce_amax
@@ -44,6 +56,7 @@ from .tensor_parallel import TP_WEIGHT
 _ops = torch.ops.fp8ops
 _aten = torch.ops.aten
 BLOCK = 128
+logger = logging.getLogger("fp8ops.fsdp")
 
 # ops FSDP2 applies to the sharded local tensor that must keep the extension (views of it, the
 # padded copy it makes, moves); every other op runs on the plain tensor and returns plain ones
@@ -62,6 +75,11 @@ def gathers_fp8(layer, dtensor: DTensor) -> bool:
     """Whether FSDP2 should gather this layer's weight in FP8 (see the module doc)."""
     if not getattr(layer, "fp8_all_gather", False) or getattr(dtensor, TP_WEIGHT, False):
         return False  # off, or a tensor-parallel style's weight (not FSDP2's shard)
+    if isinstance(layer, FP8GroupedLinear):
+        reason = experts_gather_refusal(layer, dtensor)
+        if reason is not None:
+            _report_refusal(layer, reason)
+        return reason is None
     if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
         return False
     recipe = layer.recipe
@@ -81,10 +99,54 @@ def install(layer, dtensor: DTensor) -> None:
     local = dtensor._local_tensor
     if not isinstance(local, FP8WeightShard):
         dtensor._local_tensor = FP8WeightShard(local, layer)
-        _register(layer)
+        if not _is_experts(layer):
+            _register(layer)  # (its amax joins the batched all-reduce)
+    if _is_experts(layer):
+        _follow_source(layer.weight_cache, dtensor)
     if layer not in _HOOKED:
         _HOOKED.add(layer)
         layer.register_state_dict_post_hook(_plain_weight)
+
+
+def experts_gather_refusal(layer, dtensor: DTensor) -> Optional[str]:
+    """Why FSDP2 cannot gather this FP8GroupedLinear's weight [E, out, in] in FP8 (None: it
+    can). The experts' scales (one per expert, or 128x128 blocks per expert) are computed on the
+    rank that holds the expert whole, which FSDP2's default Shard(0) gives: no all-reduce."""
+    if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
+        return (f"the weight is placed {tuple(dtensor.placements)} on a {dtensor.device_mesh.ndim}"
+                f"-D mesh, not Shard(0) (whole experts per rank) on a 1-D one: an expert split "
+                f"over ranks would need its scale from every piece")
+    if not isinstance(layer.recipe, (CurrentScaling, BlockwiseScaling)):
+        return f"{type(layer.recipe).__name__} has no FP8 gather for experts"
+    experts, world = dtensor.shape[0], dtensor.device_mesh.size()
+    if experts % world:
+        # FSDP2 pads the last shard and then takes extension inputs only of the padded shard's
+        # shape: no room for the scales beside the bytes
+        return (f"{experts} experts do not split evenly over {world} ranks (FSDP2 takes no "
+                f"per-expert scales beside the bytes of a padded shard)")
+    return None
+
+
+# the layers whose FP8 gather was refused, already reported (once per layer)
+_REPORTED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _report_refusal(layer, reason: str) -> None:
+    if layer not in _REPORTED:
+        _REPORTED.add(layer)
+        logger.info("FSDP2 gathers %r in high precision: %s", layer, reason)
+
+
+def _is_experts(layer) -> bool:
+    return isinstance(layer, FP8GroupedLinear)
+
+
+def _follow_source(cache, dtensor: DTensor) -> None:
+    """The experts' cache reads its values from FSDP2's sharded parameter: an optimizer step over
+    it ends a cast (the dense layers do this in their __setattr__)."""
+    if cache.source_tensor() is not dtensor:
+        cache.source = weakref.ref(dtensor)
+    cache.watch(dtensor)
 
 
 # the layers whose state_dict unwraps their FP8WeightShard
@@ -145,16 +207,16 @@ class FP8WeightShard(torch.Tensor):
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows
         recipe = layer.recipe
         fwd, _ = recipe_formats(recipe)
+        if _is_experts(layer):
+            kind, data, scale_inv = _experts_shard_cast(layer, self._data, dtype)
+            return _with_scales(data, scale_inv, mesh), (kind, fwd.dtype,
+                                                         tuple(scale_inv.shape[1:]))
         if isinstance(recipe, BlockwiseScaling):
             values = self._data.to(dtype)
             data, scale_inv = _ops.quantize_blockwise(values, fwd.dtype, BLOCK, BLOCK,
                                                       recipe.power_of_two)
             meta = ("blockwise", fwd.dtype, tuple(scale_inv.shape[1:]))
-            if mesh.size() == 1:  # FSDP2 copies only the first input at world size 1: pack
-                packed = torch.cat([data.view(torch.uint8).flatten(),
-                                    scale_inv.view(torch.uint8).flatten()])
-                return (packed,), meta
-            return (data.view(torch.uint8), scale_inv), meta
+            return _with_scales(data, scale_inv, mesh), meta
         scale, decision, record = _window_scale(layer, dtype, self._data.device)
         data = _shard_bytes(layer.fp8_state, self._data, dtype, scale, decision, fwd.dtype, rows,
                             record)
@@ -181,9 +243,10 @@ class FP8WeightShard(torch.Tensor):
 class FP8GatheredWeight(torch.Tensor):
     """The all-gathered FP8 weight FSDP2 hands the layer for compute: to autograd a [N, K] tensor
     of the parameter dtype, holding the FP8 bytes and their scales (a per-tensor scale, or block
-    scale_inv [N/128, K/128]). FP8Linear reads the FP8 payload (fp8_payload); any other op sees
-    the dequantized weight. decision: (weight generation, stepped) of a per-tensor cast's scale
-    (_window_scale)."""
+    scale_inv [N/128, K/128]); or experts [E, N, K] with scale_inv per expert [E] or per expert's
+    blocks [E, N/128, K/128]. FP8Linear reads the FP8 payload (fp8_payload), FP8GroupedLinear
+    the experts' (expert_payload); any other op sees the dequantized weight. decision:
+    (weight generation, stepped) of a per-tensor cast's scale (_window_scale)."""
 
     @staticmethod
     def __new__(cls, kind, data, scales, dtype, decision=None):
@@ -210,8 +273,7 @@ class FP8GatheredWeight(torch.Tensor):
             scales = w._scales
             if w._kind == "blockwise" and func in (_aten.t.default, _aten.transpose.int):
                 scales = scales.t()
-            # block scales follow the whole weight or its transpose only
-            if w._kind == "tensor" or data.shape in (w.shape, w.shape[::-1]):
+            if _scales_follow(w, func, data):
                 return cls(w._kind, data, scales, w.dtype, w._decision)
         return func(*tree_map_only(cls, lambda t: t.dequantized(), args),
                     **tree_map_only(cls, lambda t: t.dequantized(), kwargs))
@@ -223,7 +285,28 @@ class FP8GatheredWeight(torch.Tensor):
         """The weight the FP8 bytes stand for, in the parameter's dtype."""
         if self._kind == "tensor":
             return _ops.dequantize(self._data, torch.reciprocal(self._scales), self.dtype)
+        if self._kind == "experts":
+            return torch.stack([_ops.dequantize(data, scale_inv, self.dtype)
+                                for data, scale_inv in zip(self._data, self._scales)])
+        if self._kind == "experts_blockwise":
+            return torch.stack([_ops.dequantize_blockwise(data, scale_inv, BLOCK, BLOCK, self.dtype)
+                                for data, scale_inv in zip(self._data, self._scales)])
         return _ops.dequantize_blockwise(self._data, self._scales, BLOCK, BLOCK, self.dtype)
+
+    def expert_payload(self, cache=None) -> tuple:
+        """The experts' cast as FP8GroupedLinear's Functions take it: current scaling (data,
+        data^T, scale_inv), blockwise (data, scale_inv, data^T, scale_inv^T). The transposed
+        copies are made here, after the gather (gathering them too would double the bytes).
+        cache: the layer's WeightCache, whose shard cast this forward uses: the backward's
+        gradient then vouches for it (the next micro-batch's gathers reuse it)."""
+        if cache is not None and cache.entry is not None:
+            cache.consume(weight_cache.leaf(self), False)
+        data = self._data.contiguous()
+        data_t = torch.stack([_ops.transpose_fp8(expert) for expert in data]) if len(data) \
+            else data.transpose(1, 2).contiguous()
+        if self._kind == "experts":
+            return data, data_t, self._scales
+        return data, self._scales, data_t, self._scales.transpose(1, 2)
 
     def fp8_payload(self, state=None, live: bool = False):
         """What the layer's weight cast would return: per-tensor (data, data^T, scale_inv,
@@ -259,6 +342,73 @@ class FP8GatheredWeight(torch.Tensor):
         cache.consume(weight_cache.leaf(self), live, gather.decisions)
         gather.key = _values_key(cache)
         return payload
+
+
+def _with_scales(data: torch.Tensor, scale_inv: torch.Tensor, mesh) -> tuple:
+    """The all-gather inputs of FP8 bytes with scales of their own (blocks, experts): both, or
+    at world size 1, where FSDP2 copies only the first input, the two packed in one."""
+    if mesh.size() == 1:
+        return (torch.cat([data.view(torch.uint8).flatten(),
+                           scale_inv.view(torch.uint8).flatten()]),)
+    return data.view(torch.uint8), scale_inv
+
+
+def _experts_shard_cast(layer, shard: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(kind, data, scale_inv) of this rank's experts, rounded to the gather's dtype and cast
+    each on its own as the unsharded layer casts them (whole experts: their scales are local).
+    Cast once per optimizer step under the weight cache's rule, with FSDP2's sharded parameter
+    as the values' source: every gather of the window (micro-batches, backward re-gathers) takes
+    the same bytes. A backward's re-gather needs the key alone: nothing may change a weight
+    between a forward and its backward."""
+    cache, recipe = layer.weight_cache, layer.recipe
+    made_for = (recipe, dtype)
+
+    def cast(_, step, scale):  # (weight_cache.Cast: no delayed scaling, so no step, no scale)
+        return (made_for, _cast_expert_values(shard.to(dtype), recipe)), None
+
+    stored = _stored_shard(cache, shard)
+    backward = torch._C._current_graph_task_id() != -1
+    trust = weight_cache.KEY if backward else cache.trust
+    with torch.no_grad():
+        made, payload = cache.get(stored, cast, live=False, trust=trust,
+                                  source=cache.source_tensor())
+        if made != made_for:  # the recipe or the gather's dtype changed since that cast
+            cache.invalidate()
+            made, payload = cache.get(stored, cast, live=False, trust=trust,
+                                      source=cache.source_tensor())
+    return payload
+
+
+def _stored_shard(cache, shard: torch.Tensor) -> torch.Tensor:
+    """The shard as the sharded parameter stores it (the cache's key): with FSDP2's
+    CPUOffloadPolicy the gather reads a fresh device copy of it."""
+    source = cache.source_tensor()
+    local = None if source is None else source._local_tensor
+    return local._data if isinstance(local, FP8WeightShard) else shard
+
+
+def _cast_expert_values(values: torch.Tensor, recipe) -> tuple:
+    """(kind, data, scale_inv) of experts [E, out, in]: the expert casts of the grouped layer,
+    without their transposed copies (made after the gather: FP8GatheredWeight.expert_payload)."""
+    fwd, _ = recipe_formats(recipe)
+    if isinstance(recipe, BlockwiseScaling):
+        data, scale_inv, _, _ = quantize_experts_blockwise(values, fwd.dtype,
+                                                           recipe.power_of_two)
+        return "experts_blockwise", data, scale_inv
+    data, _, _, scale_inv = quantize_experts_current(values, fwd.dtype, recipe.margin,
+                                                     recipe.power_of_two)
+    return "experts", data, scale_inv
+
+
+def _scales_follow(w: "FP8GatheredWeight", func, data: torch.Tensor) -> bool:
+    """Whether a view of gathered weight w is still the FP8 weight with w's scales: a per-tensor
+    scale follows any view; block scales the whole weight or its transpose; experts' scales the
+    whole experts only."""
+    if w._kind == "tensor":
+        return True
+    if w._kind.startswith("experts"):
+        return data.shape == w.shape and func not in (_aten.t.default, _aten.transpose.int)
+    return data.shape in (w.shape, w.shape[::-1])
 
 
 def _shard_bytes(state, local: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
@@ -475,4 +625,5 @@ def _reduce_changed(layer, device: torch.device, dtype: torch.dtype) -> None:
             (dtype, device), rounded[i], None if scales is None else scales[i]))
 
 
-__all__ = ["FP8WeightShard", "FP8GatheredWeight", "gathers_fp8", "install", "plain_local"]
+__all__ = ["FP8WeightShard", "FP8GatheredWeight", "experts_gather_refusal", "gathers_fp8", "install",
+           "plain_local"]

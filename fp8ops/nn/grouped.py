@@ -26,7 +26,11 @@ warm start, casts and amax records (0 for an expert with no tokens), the weight 
 once per accumulation window as the cache decides. So expert g's bytes and state are those of
 a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
 with no graph break. The amaxes are not all-reduced across processes.
-Not here yet: MXFP8, stochastic rounding and FSDP2.
+Under FSDP2 (fully_shard) FP8GroupedLinear's weight is gathered in FP8 (distributed/fsdp.py):
+each rank casts its whole experts, the gathered bytes and scales come as the weight, and the
+grouped GEMMs take them as they are (current and blockwise scaling; delayed scaling gathers
+in high precision).
+Not here yet: MXFP8 and stochastic rounding.
 """
 from __future__ import annotations
 
@@ -36,14 +40,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..distributed import on_weight_set
 from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
                                 quantize_experts_scaled)
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
                        grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import GRADIENT, KEY
-from .autograd import (first_order_only, in_recompute, output_dtype, steps_state,
-                       takes_warm_scale, weight_grad)
+from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype,
+                       steps_state, takes_warm_scale, weight_grad)
 from .functional import check_operands
 
 _ops = torch.ops.fp8ops
@@ -68,6 +73,8 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
     cast = _fresh_expert_cast(recipe) if state is None else _delayed_expert_cast(recipe, state)
     live = state is not None and steps_state(state)
     with torch.no_grad():
+        if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp.py)
+            return weight.expert_payload(cache)
         if (cache is None or torch.compiler.is_compiling()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
             return cast(weight, live, None)[0][1]
@@ -392,7 +399,12 @@ class FP8GroupedLinear(nn.Module):
     `weight_cache.invalidate()` after changing the weight where an optimizer that holds it
     cannot see it (a `p.data` update between its steps). With DelayedScaling each expert's
     amax histories and scales are buffers of `fp8_state` (an ExpertScalingState, in the
-    state_dict); eval mode casts with them as trained and records nothing."""
+    state_dict); eval mode casts with them as trained and records nothing. Under FSDP2 the
+    weight is gathered in FP8 (module doc); set `fp8_all_gather = False` before fully_shard to
+    gather it in high precision."""
+
+    # under FSDP2, gather the experts in FP8 where the recipe allows (distributed/fsdp.py)
+    fp8_all_gather = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  recipe=None, *, device=None, dtype=None):
@@ -409,6 +421,13 @@ class FP8GroupedLinear(nn.Module):
             self.fp8_state = ExpertScalingState(self.recipe, num_experts, device,
                                                 self.weight_cache)
         self.reset_parameters()
+
+    def __setattr__(self, name, value):
+        # FSDP2 sets its sharded parameter through setattr when a module defines it: there
+        # fp8ops.distributed has FSDP2 gather the experts in FP8
+        if name == "weight":
+            on_weight_set(self, value)
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         # Module._apply may swap the weight for a new tensor (torch.utils.swap_tensors), which
