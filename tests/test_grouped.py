@@ -180,6 +180,36 @@ def test_grouped_scaled_cast_checks_its_scales():
                                      E4)
 
 
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_grouped_blockwise_cast_special_values_and_rows_past_the_groups(power_of_two):
+    """A NaN or inf poisons its own 1x128 blocks only (along K for the rows, along M from its
+    group's first row for the transposed copy); rows past the last group are zero bytes with
+    scale 1, whatever they hold."""
+    sizes = [3, 0, 200, 129]
+    x = torch.randn(sum(sizes) + 5, 300)
+    x[1, 7] = float("nan")                    # group 0
+    x[3 + 150, 200] = float("inf")            # group 2, its second block along M
+    x[3 + 200:3 + 210] *= 1e-30               # group 3: subnormal range
+    x[-1, 0] = float("nan")                   # past the last group
+    offsets = _offsets(sizes)
+    bd, bs, bd_t, bs_t = _ops.quantize_blockwise_grouped(x, offsets, E4, power_of_two)
+    block = 0
+    for lo, hi in _bounds(sizes):
+        if hi == lo:
+            continue
+        r, rs, c, cs, _ = _ops.quantize_blockwise_pair(x[lo:hi], E4, power_of_two)
+        _same(bd[lo:hi], r)
+        _same(bd_t[:, lo:hi], c)
+        # the scales bit for bit (NaN for a poisoned block)
+        _same(bs[lo:hi].contiguous().view(torch.int32), rs.contiguous().view(torch.int32))
+        _same(bs_t[:, block:block + cs.shape[1]].contiguous().view(torch.int32),
+              cs.contiguous().view(torch.int32))
+        block += cs.shape[1]
+    end = sum(sizes)
+    assert not bd[end:].view(torch.uint8).any() and not bd_t[:, end:].view(torch.uint8).any()
+    assert (bs[end:] == 1).all() and (bs_t[:, block:] == 1).all()
+
+
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_grouped_blockwise_wgrad_reads_the_packed_blocks(case):
     """dW_g from the grouped blockwise casts of dY and X equals the dense blockwise wgrad of

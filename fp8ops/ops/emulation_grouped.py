@@ -5,9 +5,9 @@ of the input (offsets[-1] = 0), as torch._grouped_mm takes them; rows from offse
 belong to no group (their output rows are zeros). Each op is a loop over the groups calling the
 dense op of emulation.py (or, for the casts, the dense cast op) on that group's rows, so every
 group's bytes are those of the dense op on the group alone, empty groups included (zero rows,
-a zero weight gradient). The loop reads the offsets on the host. The per-tensor casts
-(quantize_current_grouped, quantize_scaled_grouped) are the exception: all groups at once on
-the device, with the same bytes (their docstrings).
+a zero weight gradient). The loop reads the offsets on the host. The casts
+(quantize_current_grouped, quantize_scaled_grouped, quantize_blockwise_grouped) are the
+exception: all groups at once on the device, with the same bytes (their docstrings).
 """
 from __future__ import annotations
 
@@ -234,18 +234,51 @@ def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: to
     """The blockwise casts per group (the op quantize_blockwise_pair on the group): x [M, K] in
     1x128 blocks along K (data [M, K], scale_inv [M, Kb]) and x^T [K, M] in 1x128 blocks along M
     that start at each group's first row (data_t [K, M], scale_inv_t [K, packed_blocks], the
-    groups' blocks packed one after another, unused columns 1.0)."""
+    groups' blocks packed one after another, unused columns 1.0). Rows past the last group are
+    zero bytes with scale 1.
+
+    All groups at once on the device, with the bytes of the per-group op: blocks along K lie in
+    one row, so the rows' cast is the dense one on all of x; the blocks along M are runs of up to
+    128 rows of one group, each row's block found from the offsets (packed_block_of_rows), their
+    amax reduced by index (max is exact in any order; NaN wins) and the dense blockwise scales
+    and cast applied per block."""
     M, K = x.shape
-    bounds = group_bounds("quantize_blockwise_grouped", offsets, M)
-    kb = -(-K // BLOCK)
-    data = torch.zeros(M, K, dtype=dtype, device=x.device)
-    scale_inv = torch.ones(M, kb, dtype=_F32, device=x.device)
-    data_t = torch.zeros(K, M, dtype=dtype, device=x.device)
-    scale_inv_t = torch.ones(K, packed_blocks(M, len(bounds)), dtype=_F32, device=x.device)
-    for (lo, hi), s in zip(bounds, block_starts(bounds)):
-        if hi == lo:
-            continue
-        d, si, d_t, si_t, _ = _ops.quantize_blockwise_pair(x[lo:hi], dtype, power_of_two)
-        data[lo:hi], scale_inv[lo:hi], data_t[:, lo:hi] = d, si, d_t
-        scale_inv_t[:, s:s + si_t.shape[1]] = si_t
-    return data, scale_inv, data_t, scale_inv_t
+    E = offsets.shape[0]
+    check_offset_values("quantize_blockwise_grouped", offsets, M)
+    fmt = get_format(dtype)
+    group = row_groups(offsets, M)
+    owned = (group < E).unsqueeze(1)
+    data, scale_inv = _ops.quantize_blockwise(x, dtype, 1, BLOCK, power_of_two)
+    data = torch.where(owned, data.view(torch.uint8), 0).view(dtype)
+    scale_inv = torch.where(owned, scale_inv, 1.0).contiguous()
+    n_blocks = packed_blocks(M, E)
+    block = packed_block_of_rows(offsets, group, n_blocks)
+    xf = emulation._f32(x)
+    a = xf.abs()
+    # (the index a broadcast view: no [M, K] index tensor is made)
+    amax = a.new_zeros(n_blocks + 1, K).scatter_reduce_(0, block.unsqueeze(1).expand(M, K), a,
+                                                        "amax")
+    nan = a.new_zeros(n_blocks + 1, K).index_add_(0, block, a.isnan().float()) > 0
+    amax = torch.where(nan, float("nan"), amax)
+    scale, scale_inv_t = emulation.blockwise_scales(amax, fmt, power_of_two)
+    # a block holding NaN or inf gets a NaN multiplier: all its data NaN, as the dense cast
+    mult = torch.where(torch.isfinite(amax), scale, float("nan"))
+    q = emulation._rne_fp8(xf * mult[block], fmt, inplace=True)
+    q = torch.where(owned, q.view(torch.uint8), 0).view(dtype)
+    return data, scale_inv, q.t().contiguous(), scale_inv_t[:n_blocks].t().contiguous()
+
+
+def packed_block_of_rows(offsets: torch.Tensor, group: torch.Tensor, n_blocks: int):
+    """Each row's column in the packed scales of a transposed blockwise copy (block_starts):
+    its group's first block plus its 128-row block within the group; n_blocks for a row of no
+    group. On the device, from the offsets."""
+    E, M = offsets.shape[0], group.shape[0]
+    if E == 0:
+        return torch.full((M,), n_blocks, dtype=torch.int64, device=group.device)
+    ends = offsets.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    blocks = (ends - starts + BLOCK - 1) // BLOCK
+    first = blocks.cumsum(0) - blocks
+    g = group.clamp(max=E - 1)
+    rows = torch.arange(M, device=group.device)
+    return torch.where(group < E, first[g] + (rows - starts[g]) // BLOCK, n_blocks)
