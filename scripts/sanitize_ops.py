@@ -116,5 +116,17 @@ for m, n, k in [(1, 72, 200), (17, 1000, 1040), (300, 384, 512), (7, 1001, 48), 
                            torch.rand(-(-n // 128), kb, device="cuda"), None, torch.float32)
         ops.gemm_blockwise(a, b, torch.rand(m, kb, device="cuda"), torch.rand(n, kb, device="cuda"),
                            torch.randn(n, device="cuda"), torch.bfloat16)
+# the grouped (MoE) GEMM kernel: ragged, empty and tiny groups, rows past the last group
+for sizes in ([5, 0, 200, 77], [1, 2, 3, 5, 7, 11], [0, 0, 130]):
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    m, e, n, k = sum(sizes) + 9, len(sizes), 256, 384
+    sg = torch.rand(e, device="cuda") + 0.5
+    for a_dt in (F8, torch.float8_e5m2):
+        a = torch.randn(m, k, device="cuda").to(a_dt)
+        ops.grouped_gemm_sm90(a, torch.randn(e, n, k, device="cuda").to(F8), offsets, sg, sg,
+                              torch.bfloat16)
+        ops.grouped_gemm_wgrad_sm90(torch.randn(n, m, device="cuda").to(a_dt),
+                                    torch.randn(k, m, device="cuda").to(F8), offsets, sg, sg,
+                                    torch.float32)
 torch.cuda.synchronize()
 print("sanitize_ops: every cast and GEMM op ran")

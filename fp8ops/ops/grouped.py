@@ -92,8 +92,9 @@ def _is_hopper(device: torch.device) -> bool:
 
 def sm90_suits(name: str, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dtype) -> bool:
     """Whether the Hopper grouped kernel computes this call: built and on an sm_90 GPU, operands
-    (E4M3 or E5M2, E4M3), one float32 scale per group, no bias, a bfloat16 or float32 output
-    whose rows are 16-byte multiples and (forward/dgrad) K a multiple of 16."""
+    (E4M3 or E5M2, E4M3) with 16-byte aligned data, one float32 scale per group, no bias, a
+    bfloat16 or float32 output whose rows are 16-byte multiples and (forward/dgrad) K a multiple
+    of 16."""
     kernel = _ROUTED[name]
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{kernel}", "CUDA"):
         return False
@@ -107,6 +108,8 @@ def sm90_suits(name: str, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dty
     if row * (4 if out_dtype == torch.float32 else 2) % 16:
         return False
     if name == "grouped_gemm" and (a.shape[1] % 16 or b.dim() != 3 or b.shape[0] != groups):
+        return False
+    if a.data_ptr() % 16 or b.data_ptr() % 16:  # TMA: 16-byte aligned bases (a view may not be)
         return False
     return _is_hopper(a.device)
 
