@@ -134,11 +134,14 @@ struct GroupedGemmSm90Types {
     return r;
   }
 
-  static typename Gemm::Arguments arguments(const Arrays& r, int groups, int sm_count) {
+  // host_shapes: the problems on the host, for CUTLASS's can_implement to check (a host test);
+  // null in a launch, where they exist on the device only.
+  static typename Gemm::Arguments arguments(const Arrays& r, int groups, int sm_count, int device_id,
+                                            const Shape3* host_shapes = nullptr) {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     // The shapes live on the device only (no host copy): CUTLASS's scheduler reads them there.
-    args.problem_shape = {groups, r.shapes, nullptr};
+    args.problem_shape = {groups, r.shapes, host_shapes};
     args.mainloop.ptr_A = r.a;
     args.mainloop.dA = r.sa;
     args.mainloop.ptr_B = r.b;
@@ -152,13 +155,17 @@ struct GroupedGemmSm90Types {
     args.epilogue.dC = nullptr;
     args.epilogue.ptr_D = r.d;
     args.epilogue.dD = r.sd;
-    int device_id = 0;
-    FP8OPS_CUDA_CHECK(cudaGetDevice(&device_id));
     args.hw_info.device_id = device_id;
     args.hw_info.sm_count = sm_count;
     return args;
   }
 };
+
+inline int grouped_device() {
+  int device_id = 0;
+  FP8OPS_CUDA_CHECK(cudaGetDevice(&device_id));
+  return device_id;
+}
 
 inline void check_status(cutlass::Status st, const char* what) {
   if (st != cutlass::Status::kSuccess)
@@ -199,7 +206,7 @@ template <DType A, DType B, DType D>
 size_t GroupedGemmSm90<A, B, D>::arrays_bytes(int groups, int sm_count) {
   using Ty = GroupedGemmSm90Types<A, B, D>;
   typename Ty::Arrays none{};
-  size_t cutlass_bytes = Ty::Gemm::get_workspace_size(Ty::arguments(none, groups, sm_count));
+  size_t cutlass_bytes = Ty::Gemm::get_workspace_size(Ty::arguments(none, groups, sm_count, grouped_device()));
   return Ty::table_bytes(groups) + Ty::align256(cutlass_bytes);
 }
 
@@ -211,7 +218,7 @@ void GroupedGemmSm90<A, B, D>::run(const GroupedGemmParams& p, const GroupedSpan
   typename Ty::Arrays r = Ty::carve(arrays, p.groups);
   launch_kernel(grouped_setup_kernel<Ty>, dim3((p.groups + 127) / 128), dim3(128), stream, p, spans, r);
   between(p, spans, stream);
-  const typename Ty::Gemm::Arguments args = Ty::arguments(r, p.groups, sm_count);
+  const typename Ty::Gemm::Arguments args = Ty::arguments(r, p.groups, sm_count, grouped_device());
   typename Ty::Gemm gemm;
   check_status(gemm.can_implement(args), "cannot run this problem");
   if (Ty::Gemm::get_workspace_size(args) > bytes - Ty::table_bytes(p.groups))

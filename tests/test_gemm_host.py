@@ -114,3 +114,65 @@ def test_emulation_accepts_every_blockwise_shape(shape, per_row_b):
     ad, bd = a.double() * ea, b.double() * eb.repeat_interleave(128, 1)[:, :k]
     ref, mag = ad @ bd.t(), ad.abs() @ bd.abs().t()
     assert ((out.double() - ref).abs() <= mag * 2.0 ** -20).all()
+
+
+# ---- the grouped (MoE) GEMM: every group's problem as the setup kernel makes it ----------------
+@pytest.fixture(scope="module")
+def grouped_can_implement(tmp_path_factory):
+    nvcc, include = _nvcc(), _cutlass_include()
+    if nvcc is None or include is None:
+        pytest.skip("needs nvcc and the CUTLASS headers (pip install --no-deps nvidia-cutlass)")
+    exe = str(tmp_path_factory.mktemp("grouped_can_implement") / "grouped_can_implement")
+    cmd = [nvcc, "-std=c++17", "-O1", "-DNDEBUG", "--expt-relaxed-constexpr",
+           "-gencode=arch=compute_90a,code=sm_90a", "-I", os.path.join(ROOT, "csrc"), "-I", include,
+           os.path.join(ROOT, "tests", "csrc", "grouped_can_implement.cu"), "-o", exe]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def run(cases):
+        text = "\n".join(f"{kind} {out} {m} {n} {k} {len(ends)} " + " ".join(map(str, ends))
+                         for kind, out, m, n, k, ends in cases) + "\n"
+        p = subprocess.run([exe], input=text, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        results, case = [], None
+        for line in p.stdout.splitlines():
+            if line == "case":
+                case = {}
+                results.append(case)
+            else:
+                name, verdict = line.split(" ", 1)
+                case[name] = verdict
+        return results
+
+    return run
+
+
+def _ends(sizes):
+    return torch.tensor(sizes).cumsum(0).tolist()
+
+
+GROUPED_SIZES = [[5, 0, 200, 77], [0, 0, 0], [1, 2, 3, 5, 7, 11, 13, 17], [128, 256, 384], [300]]
+
+
+def test_grouped_kernel_accepts_every_group_problem_the_op_lets_through(grouped_can_implement):
+    """What ops/grouped.py's sm90_suits sends to the kernel (K a multiple of 16, 16-byte output
+    rows), with ragged, empty and tiny groups and rows past the last group: CUTLASS accepts every
+    group's problem, the wgrad's packed (16-column) reductions included."""
+    cases = []
+    for sizes in GROUPED_SIZES:
+        m = sum(sizes) + 9
+        for out, n in (("bf16", 96), ("bf16", 4104), ("f32", 100)):
+            cases.append(("rows", out, m, n, 160, _ends(sizes)))
+            cases.append(("wgrad", out, m, n, n, _ends(sizes)))  # dW [E, n, k = n]
+    results = grouped_can_implement(cases)
+    assert len(results) == len(cases)
+    bad = [(c, r) for c, r in zip(cases, results) if set(r.values()) != {"ok"} or len(r) != 2]
+    assert not bad, bad[:3]
+
+
+def test_grouped_check_rejects_what_the_op_keeps_on_the_emulation(grouped_can_implement):
+    """K not a multiple of 16, or output rows not 16 bytes: CUTLASS says no, which is why
+    sm90_suits sends these to the emulation (and shows this check can fail)."""
+    results = grouped_can_implement([("rows", "bf16", 400, 96, 24, [100, 400]),
+                                     ("rows", "bf16", 400, 12, 160, [100, 400])])
+    assert all(v.startswith("FAIL") for r in results for v in r.values()), results
