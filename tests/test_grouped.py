@@ -122,12 +122,20 @@ def test_grouped_casts_are_the_dense_casts_per_group(case, power_of_two):
         block += cs.shape[1]
 
 
+# the casts work through x in chunks of rows: a small chunk makes many, cutting through groups
+CHUNKS = [None, 500]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", [E4, E5], ids=str)
-def test_grouped_current_cast_special_values_and_rows_past_the_groups(dtype, fmt):
+def test_grouped_current_cast_special_values_and_rows_past_the_groups(dtype, fmt, chunk,
+                                                                     monkeypatch):
     """NaN and inf stay in their own group (NaN wins the amax, so that group keeps scale 1;
     inf likewise), huge and tiny groups saturate or keep their range, and rows past the last
     group are zero bytes whatever they hold."""
+    if chunk:
+        monkeypatch.setattr("fp8ops.ops.emulation_grouped.CHUNK", chunk)
     sizes = [4, 0, 5, 3, 6]
     x = torch.randn(sum(sizes) + 3, 160)
     x[1, 7] = float("nan")         # group 0
@@ -180,11 +188,15 @@ def test_grouped_scaled_cast_checks_its_scales():
                                      E4)
 
 
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("power_of_two", [False, True])
-def test_grouped_blockwise_cast_special_values_and_rows_past_the_groups(power_of_two):
+def test_grouped_blockwise_cast_special_values_and_rows_past_the_groups(power_of_two, chunk,
+                                                                       monkeypatch):
     """A NaN or inf poisons its own 1x128 blocks only (along K for the rows, along M from its
     group's first row for the transposed copy); rows past the last group are zero bytes with
     scale 1, whatever they hold."""
+    if chunk:
+        monkeypatch.setattr("fp8ops.ops.emulation_grouped.CHUNK", chunk)
     sizes = [3, 0, 200, 129]
     x = torch.randn(sum(sizes) + 5, 300)
     x[1, 7] = float("nan")                    # group 0

@@ -165,30 +165,52 @@ def quantize_current_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torc
     E = offsets.shape[0]
     check_offset_values("quantize_current_grouped", offsets, M)
     fmt = get_format(dtype)
-    group, xf = row_groups(offsets, M), emulation._f32(x)
-    amax = _group_amax(xf, group, E)
+    group = row_groups(offsets, M)
+    amax = _group_amax(x, group, E)
     scale = emulation.scale_from_amax(amax, torch.ones_like(amax), fmt.max, margin, power_of_two)
-    data, data_t = _cast_by_group(xf, group, scale, fmt, transpose)
+    data, data_t = _cast_by_group(x, group, scale, fmt, transpose)
     return data, data_t, scale, torch.reciprocal(scale)
 
 
-def _group_amax(xf: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+# Rows per pass over x: the float32 temporaries of a pass stay under CHUNK values (64 MiB), as
+# an expert layer's input can hold hundreds of millions. The chunks are fixed by x's shape, not
+# by the offsets, so they need no host read.
+CHUNK = 1 << 24
+
+
+def _row_chunks(x: torch.Tensor):
+    """(start, end) of the row chunks of x [M, K]."""
+    M, K = x.shape
+    step = max(1, CHUNK // max(K, 1))
+    return [(lo, min(lo + step, M)) for lo in range(0, M, step)]
+
+
+def _group_amax(x: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
     """max |x| over each group's rows (float32 [E]; 0 for an empty group, NaN wins)."""
-    row_amax = xf.abs().amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])
+    M, K = x.shape
+    row_amax = x.new_zeros(M, dtype=_F32)
+    if K:
+        for lo, hi in _row_chunks(x):  # inf-norm: max |x| with no |x| temporary, NaN kept
+            row_amax[lo:hi] = torch.linalg.vector_norm(x[lo:hi], float("inf"), dim=1,
+                                                       dtype=_F32)
     amax = row_amax.new_zeros(groups + 1).scatter_reduce_(0, group, row_amax, "amax")
     # NaN must win, as in the dense amax, whatever scatter_reduce makes of it
     nan = row_amax.new_zeros(groups + 1).index_add_(0, group, row_amax.isnan().float()) > 0
     return torch.where(nan, float("nan"), amax)[:groups]
 
 
-def _cast_by_group(xf: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, fmt,
+def _cast_by_group(x: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, fmt,
                    transpose: bool):
     """Each row times its group's scale, rounded as the dense cast does; rows of no group are
     zero bytes. (data, data^T or an empty tensor)."""
-    row_scale = torch.cat([scale, scale.new_zeros(1)])[group]
-    data = emulation._rne_fp8(xf * row_scale.unsqueeze(1), fmt, inplace=True)
+    row_scale = torch.cat([scale, scale.new_zeros(1)])[group].unsqueeze(1)
     owned = (group < scale.shape[0]).unsqueeze(1)
-    data = torch.where(owned, data.view(torch.uint8), 0).view(fmt.dtype)
+    data = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
+    bytes_ = data.view(torch.uint8)
+    for lo, hi in _row_chunks(x):
+        y = emulation._f32(x[lo:hi]) * row_scale[lo:hi]
+        q = emulation._rne_fp8(y, fmt, inplace=True).view(torch.uint8)
+        bytes_[lo:hi] = q.masked_fill_(~owned[lo:hi], 0)
     return data, data.t().contiguous() if transpose else data.new_empty((0,))
 
 
@@ -224,9 +246,9 @@ def quantize_scaled_grouped(x: torch.Tensor, offsets: torch.Tensor, scale: torch
     E = offsets.shape[0]
     check_offset_values("quantize_scaled_grouped", offsets, M)
     _check_scales("quantize_scaled_grouped", scale, [(E,)], "scale")
-    group, xf = row_groups(offsets, M), emulation._f32(x)
-    data, data_t = _cast_by_group(xf, group, emulation._f32(scale), get_format(dtype), transpose)
-    return data, data_t, _group_amax(xf, group, E)
+    group = row_groups(offsets, M)
+    data, data_t = _cast_by_group(x, group, emulation._f32(scale), get_format(dtype), transpose)
+    return data, data_t, _group_amax(x, group, E)
 
 
 def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
@@ -253,19 +275,24 @@ def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: to
     scale_inv = torch.where(owned, scale_inv, 1.0).contiguous()
     n_blocks = packed_blocks(M, E)
     block = packed_block_of_rows(offsets, group, n_blocks)
-    xf = emulation._f32(x)
-    a = xf.abs()
-    # (the index a broadcast view: no [M, K] index tensor is made)
-    amax = a.new_zeros(n_blocks + 1, K).scatter_reduce_(0, block.unsqueeze(1).expand(M, K), a,
-                                                        "amax")
-    nan = a.new_zeros(n_blocks + 1, K).index_add_(0, block, a.isnan().float()) > 0
-    amax = torch.where(nan, float("nan"), amax)
+    amax = x.new_zeros(n_blocks + 1, K, dtype=_F32)
+    nan = x.new_zeros(n_blocks + 1, K, dtype=_F32)
+    for lo, hi in _row_chunks(x):
+        a = emulation._f32(x[lo:hi]).abs()
+        index = block[lo:hi]
+        # (the index a broadcast view: no [rows, K] index tensor is made)
+        amax.scatter_reduce_(0, index.unsqueeze(1).expand(hi - lo, K), a, "amax")
+        nan.index_add_(0, index, a.isnan().float())
+    amax = torch.where(nan > 0, float("nan"), amax)
     scale, scale_inv_t = emulation.blockwise_scales(amax, fmt, power_of_two)
     # a block holding NaN or inf gets a NaN multiplier: all its data NaN, as the dense cast
     mult = torch.where(torch.isfinite(amax), scale, float("nan"))
-    q = emulation._rne_fp8(xf * mult[block], fmt, inplace=True)
-    q = torch.where(owned, q.view(torch.uint8), 0).view(dtype)
-    return data, scale_inv, q.t().contiguous(), scale_inv_t[:n_blocks].t().contiguous()
+    q = torch.empty(M, K, dtype=torch.uint8, device=x.device)
+    for lo, hi in _row_chunks(x):
+        y = emulation._f32(x[lo:hi]) * mult[block[lo:hi]]
+        chunk = emulation._rne_fp8(y, fmt, inplace=True).view(torch.uint8)
+        q[lo:hi] = chunk.masked_fill_(~owned[lo:hi], 0)
+    return data, scale_inv, q.view(dtype).t().contiguous(), scale_inv_t[:n_blocks].t().contiguous()
 
 
 def packed_block_of_rows(offsets: torch.Tensor, group: torch.Tensor, n_blocks: int):
