@@ -45,11 +45,10 @@ import torch
 from torch import nn
 
 from ..distributed import amax_reduction, on_weight_set
-from ..distributed.amax import all_reduce_amax
 from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
                                 quantize_experts_scaled)
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
-                       current_scale, grad_margin, recipe_formats)
+                       grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import GRADIENT, KEY
 from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype,
@@ -123,11 +122,12 @@ def _delayed_expert_cast(recipe, state: ExpertScalingState):
         w = w.detach()
         if scale is None:
             if step:
-                _step_role(state, "weight", recipe, fwd, recipe.margin)
-            scale = role.scale.clone() if role.started else _warm_expert_scales(w, fwd, recipe)
+                state.step_role("weight", recipe, fwd, recipe.margin)
+            scale = (role.scale.clone() if role.started else
+                     _warm_expert_scales(w, role, fwd, recipe))
         data, data_t, amax = quantize_experts_scaled(w, scale, fwd.dtype)
         if step:
-            _record(state, "weight", amax)
+            state.record_role("weight", amax)
             role.started = True
         return (recipe, (data, data_t, torch.reciprocal(scale))), scale
     return cast
@@ -137,32 +137,7 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _step_role(state: ExpertScalingState, name: str, recipe, fmt, margin: float) -> None:
-    """Step the role `name` of every expert; under torch.distributed its records of this rank
-    alone are folded with the other ranks' first (its new scales must see them all)."""
-    if _distributed() and state.needs_reduce(name):
-        state.reduce_records()
-    getattr(state, name).update(recipe, fmt, margin)
-
-
-def _record(state: ExpertScalingState, name: str, amax: torch.Tensor) -> None:
-    """Record each expert's amax [E] in the role `name`; under torch.distributed on this rank
-    only, for the step's one all-reduce to fold in (amax_reduction)."""
-    getattr(state, name).record(amax)
-    if _distributed():
-        state.record_locally(name)
-
-
-def _warm_scales_over_ranks(amax: torch.Tensor, fmt, margin: float, recipe) -> torch.Tensor:
-    """Current scaling's scale of each expert from its amax [E] MAX-reduced over the ranks (not
-    finite when any rank's is not: the scale then stays 1.0), as one process would compute it
-    from every rank's values together."""
-    amax, finite = all_reduce_amax(amax, recipe.process_group, recipe=recipe)
-    amax = torch.where(finite, amax, float("nan"))
-    return current_scale(amax, fmt, margin, recipe.power_of_two)
-
-
-def _warm_row_scales(x, offsets, fmt, recipe, margin: float) -> torch.Tensor:
+def _warm_row_scales(x, offsets, role, fmt, recipe, margin: float) -> torch.Tensor:
     """Each group's scale from its own rows' amax (its role has recorded nothing yet), over all
     ranks' rows under torch.distributed."""
     if not _distributed():
@@ -171,17 +146,17 @@ def _warm_row_scales(x, offsets, fmt, recipe, margin: float) -> torch.Tensor:
     # the groups' amaxes (a cast's, its bytes unused: a warm start happens once)
     ones = torch.ones(offsets.shape[0], dtype=_F32, device=x.device)
     amax = _ops.quantize_scaled_grouped(x, offsets, ones, fmt.dtype, False)[2]
-    return _warm_scales_over_ranks(amax, fmt, margin, recipe)
+    return role.warm_scale(amax, fmt, margin, recipe)
 
 
-def _warm_expert_scales(w: torch.Tensor, fmt, recipe) -> torch.Tensor:
+def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:
     """Each expert's scale from its own weight's amax (the weight role has recorded nothing
     yet), over all ranks' weights under torch.distributed (as the dense layer's warm start)."""
     if not _distributed():
         return quantize_experts_current(w, fmt.dtype, recipe.margin, recipe.power_of_two)[2]
     ones = torch.ones(w.shape[0], dtype=_F32, device=w.device)
     amax = quantize_experts_scaled(w, ones, fmt.dtype)[2]  # (bytes unused: once per training)
-    return _warm_scales_over_ranks(amax, fmt, recipe.margin, recipe)
+    return role.warm_scale(amax, fmt, recipe.margin, recipe)
 
 
 def _cast_rows(x, offsets, state: ExpertScalingState, name: str, fmt, recipe, margin: float, *,
@@ -190,15 +165,16 @@ def _cast_rows(x, offsets, state: ExpertScalingState, name: str, fmt, recipe, ma
     "grad"), the dense quantize_delayed per group: the role stepped first when `update`, each
     group's own amax as the scale when `warm` (nothing recorded yet), the groups' amaxes
     recorded when `record` (an empty group's is 0). (data, data_t, scale_inv [E])."""
+    role = getattr(state, name)
     if update:
-        _step_role(state, name, recipe, fmt, margin)
+        state.step_role(name, recipe, fmt, margin)
     if warm:
-        scale = _warm_row_scales(x, offsets, fmt, recipe, margin)
+        scale = _warm_row_scales(x, offsets, role, fmt, recipe, margin)
     else:
-        scale = getattr(state, name).scale.clone()  # a copy: the buffer changes before backward
+        scale = role.scale.clone()  # a copy: the buffer changes before backward uses it
     data, data_t, amax = _ops.quantize_scaled_grouped(x, offsets, scale, fmt.dtype, transpose)
     if record:
-        _record(state, name, amax)
+        state.record_role(name, amax)
     return data, data_t, torch.reciprocal(scale)
 
 

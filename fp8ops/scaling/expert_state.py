@@ -5,8 +5,8 @@ It is ScalingState's delayed-scaling part with a leading expert dimension: an Ex
 the input (each expert's rows of X), the weight and the gradient (each expert's rows of dY), whose
 buffers are RoleState's, [E, ...]. Expert g's slice goes through exactly what a dense layer's
 RoleState goes through when that layer runs on expert g's rows alone: the same update (the dense
-update's formulas over all experts at once, so the same bytes), the same amax record (an expert with no rows records 0, as a
-dense layer given an empty input does), the same warm start.
+update's formulas over all experts at once, so the same bytes), the same amax record (an expert
+with no rows records 0, as a dense layer given an empty input does), the same warm start.
 
 Under torch.distributed the records go as the dense layers' do (scaling/role.py): a cast records
 each expert's amax on its own rank (record_locally), and the one MAX all-reduce at the end of the
@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from ..distributed import amax_reduction
+from ..distributed.amax import all_reduce_amax
 from ..formats import get_format
 from ..ops import emulation
 from ..ops.fused import record_amax
-from .recipes import DelayedScaling
+from .recipes import DelayedScaling, current_scale
 from .weight_cache import WeightCache
 
 logger = logging.getLogger("fp8ops.modules")
@@ -84,6 +85,15 @@ class ExpertRoleState(nn.Module):
         """pending = max(pending, amax) per expert; a non-finite amax is counted instead."""
         record_amax(self.pending_amax, self.nonfinite_count, amax, torch.isfinite(amax))
 
+    @torch.no_grad()
+    def warm_scale(self, amax: torch.Tensor, fmt, margin: float, recipe) -> torch.Tensor:
+        """Each expert's scale before the role has recorded anything, from its amax [E] of this
+        rank MAX-reduced over the recipe's process group (1.0 where any rank's is not finite), as
+        current scaling: what one process casting every rank's values would take."""
+        amax, finite = all_reduce_amax(amax, recipe.process_group, recipe=recipe)
+        amax = torch.where(finite, amax, float("nan"))
+        return current_scale(amax, fmt, margin, recipe.power_of_two)
+
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self.started = bool((self.step > 0).any().item())  # one host read per load
@@ -127,6 +137,20 @@ class ExpertScalingState(nn.Module):
         # under torch.distributed: the roles with amaxes recorded on this rank only, since the
         # last reduce_records()
         self._unreduced = set()
+
+    def step_role(self, role: str, recipe: DelayedScaling, fmt, margin: float) -> None:
+        """Step `role` of every expert; records of this rank alone are folded with the other
+        ranks' first (its new scales must see them all)."""
+        if self.needs_reduce(role):
+            self.reduce_records()
+        self._modules[role].update(recipe, fmt, margin)
+
+    def record_role(self, role: str, amax: torch.Tensor) -> None:
+        """Record each expert's amax [E] in `role`; under torch.distributed on this rank only,
+        for the step's one all-reduce to fold in (amax_reduction)."""
+        self._modules[role].record(amax)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.record_locally(role)
 
     def record_locally(self, role: str) -> None:
         """A cast of `role` recorded its experts' amaxes on this rank only (reduce_records folds
