@@ -1,11 +1,13 @@
 """One amax all-reduce per backward pass for every delayed-scaling layer under torch.distributed.
 
 A delayed-scaling cast records its amax on its own rank (ScalingState.record_locally), a shard
-of a tensor-parallel tensor too. The records of every layer whose backward ran are folded across
-the ranks by one MAX all-reduce per process group (plus one over the TP mesh where the group
-leaves out the other shards), run when the backward pass ends (an autograd engine callback of
-the running graph task), instead of one per layer: a transformer of L layers makes 1 small
-collective per step, not 7 L, and the step's latency no longer grows with depth.
+of a tensor-parallel tensor too, and so does a grouped layer's cast of its experts
+(ExpertScalingState: an amax per expert, every rank's records of expert g folded into expert
+g's). The records of every layer whose backward ran are folded across the ranks by one MAX
+all-reduce per process group (plus one over the TP mesh where the group leaves out the other
+shards), run when the backward pass ends (an autograd engine callback of the running graph
+task), instead of one per layer: a transformer of L layers makes 1 small collective per step,
+not 7 L, and the step's latency no longer grows with depth.
 
 Every rank runs the same layers' backward in the same order, so every rank packs the same
 buffers in the same order (the assumption one all-reduce per layer made too). A record that a
@@ -61,6 +63,8 @@ def reduce_states(states) -> None:
 
 
 def _buffers(state) -> list:
+    """The buffers a role's records raise: one value each for a layer's roles, one per expert
+    for a grouped layer's (ExpertScalingState)."""
     roles = [getattr(state, r) for r in state.ROLES]
     return [r.pending_amax for r in roles] + [r.nonfinite_count for r in roles]
 
@@ -68,10 +72,11 @@ def _buffers(state) -> list:
 def _all_reduce_max(buffer_lists, group) -> None:
     bufs = [b for bs in buffer_lists for b in bs]
     # float64 is exact for both: float32 values and counts below 2^53
-    packed = torch.stack([b.double() for b in bufs])
+    packed = torch.cat([b.double().reshape(-1) for b in bufs])
     torch.distributed.all_reduce(packed, torch.distributed.ReduceOp.MAX, group=group)
+    parts = packed.split([b.numel() for b in bufs])
     with torch.no_grad():
-        torch._foreach_copy_(bufs, list(packed.unbind()))
+        torch._foreach_copy_(bufs, [p.view(b.shape) for p, b in zip(parts, bufs)])
 
 
 def defer(state) -> bool:

@@ -25,7 +25,11 @@ through the dense delayed path (autograd.linear_per_tensor) on its own rows: the
 warm start, casts and amax records (0 for an expert with no tokens), the weight role stepping
 once per accumulation window as the cache decides. So expert g's bytes and state are those of
 a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
-with no graph break. The amaxes are not all-reduced across processes.
+with no graph break. Under torch.distributed (data parallel, FSDP2) the experts' amaxes are
+recorded on each rank and folded across the ranks by the dense layers' one MAX all-reduce at the
+end of the backward pass (distributed/amax_reduction.py), and a warm start casts with each
+expert's amax over all ranks: every rank's state stays identical, and is the state of one process
+that ran every rank's tokens (an expert given no tokens on one rank takes the others' amaxes).
 Under FSDP2 (fully_shard) FP8GroupedLinear's weight is gathered in FP8 (distributed/fsdp.py):
 each rank casts its whole experts, the gathered bytes and scales come as the weight, and the
 grouped GEMMs take them as they are (current and blockwise scaling; delayed scaling gathers
@@ -40,7 +44,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import on_weight_set
+from ..distributed import amax_reduction, on_weight_set
 from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
                                 quantize_experts_scaled)
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
@@ -118,34 +122,59 @@ def _delayed_expert_cast(recipe, state: ExpertScalingState):
         w = w.detach()
         if scale is None:
             if step:
-                role.update(recipe, fwd, recipe.margin)
+                state.step_role("weight", recipe, fwd, recipe.margin)
             scale = (role.scale.clone() if role.started else
-                     quantize_experts_current(w, fwd.dtype, recipe.margin,
-                                              recipe.power_of_two)[2])
+                     _warm_expert_scales(w, role, fwd, recipe))
         data, data_t, amax = quantize_experts_scaled(w, scale, fwd.dtype)
         if step:
-            role.record(amax)
+            state.record_role("weight", amax)
             role.started = True
         return (recipe, (data, data_t, torch.reciprocal(scale))), scale
     return cast
 
 
-def _cast_rows(x, offsets, role, fmt, recipe, margin: float, *, update: bool, warm: bool,
-               record: bool, transpose: bool):
-    """Each group's rows cast with its expert's delayed scale, the dense quantize_delayed per
-    group: the role stepped first when `update`, each group's own amax as the scale when `warm`
-    (nothing recorded yet), the groups' amaxes recorded when `record` (an empty group's is 0).
-    (data, data_t, scale_inv [E])."""
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _warm_row_scales(x, offsets, role, fmt, recipe, margin: float) -> torch.Tensor:
+    """Each group's scale from its own rows' amax (its role has recorded nothing yet), over all
+    ranks' rows under torch.distributed."""
+    if not _distributed():
+        return _ops.quantize_current_grouped(x, offsets, fmt.dtype, margin, recipe.power_of_two,
+                                             False)[2]
+    # the groups' amaxes (a cast's, its bytes unused: a warm start happens once)
+    ones = torch.ones(offsets.shape[0], dtype=_F32, device=x.device)
+    amax = _ops.quantize_scaled_grouped(x, offsets, ones, fmt.dtype, False)[2]
+    return role.warm_scale(amax, fmt, margin, recipe)
+
+
+def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:
+    """Each expert's scale from its own weight's amax (the weight role has recorded nothing
+    yet), over all ranks' weights under torch.distributed (as the dense layer's warm start)."""
+    if not _distributed():
+        return quantize_experts_current(w, fmt.dtype, recipe.margin, recipe.power_of_two)[2]
+    ones = torch.ones(w.shape[0], dtype=_F32, device=w.device)
+    amax = quantize_experts_scaled(w, ones, fmt.dtype)[2]  # (bytes unused: once per training)
+    return role.warm_scale(amax, fmt, recipe.margin, recipe)
+
+
+def _cast_rows(x, offsets, state: ExpertScalingState, name: str, fmt, recipe, margin: float, *,
+               update: bool, warm: bool, record: bool, transpose: bool):
+    """Each group's rows cast with its expert's delayed scale in the role `name` ("input" or
+    "grad"), the dense quantize_delayed per group: the role stepped first when `update`, each
+    group's own amax as the scale when `warm` (nothing recorded yet), the groups' amaxes
+    recorded when `record` (an empty group's is 0). (data, data_t, scale_inv [E])."""
+    role = getattr(state, name)
     if update:
-        role.update(recipe, fmt, margin)
+        state.step_role(name, recipe, fmt, margin)
     if warm:
-        scale = _ops.quantize_current_grouped(x, offsets, fmt.dtype, margin,
-                                              recipe.power_of_two, False)[2]
+        scale = _warm_row_scales(x, offsets, role, fmt, recipe, margin)
     else:
         scale = role.scale.clone()  # a copy: the buffer changes before backward uses it
     data, data_t, amax = _ops.quantize_scaled_grouped(x, offsets, scale, fmt.dtype, transpose)
     if record:
-        role.record(amax)
+        state.record_role(name, amax)
     return data, data_t, torch.reciprocal(scale)
 
 
@@ -253,11 +282,14 @@ class GroupedLinearDelayed(torch.autograd.Function):
         dy = dy.contiguous()
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         stepping = state.recording
-        gq, gq_t, g_scale_inv = _cast_rows(dy, offsets, state.grad, bwd, recipe,
+        gq, gq_t, g_scale_inv = _cast_rows(dy, offsets, state, "grad", bwd, recipe,
                                            grad_margin(recipe), update=stepping, warm=grad_warm,
                                            record=stepping, transpose=need_dw)
         if stepping and not torch.compiler.is_compiling():
             state.grad.started = True  # (also for a forward that ran under no_grad)
+        # the step's all-reduce: one for every delayed-scaling layer at the end of the backward
+        if stepping and state.needs_reduce() and not amax_reduction.defer(state):
+            state.reduce_records()
         dx = dw = db = None
         if need_dx:
             dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
@@ -278,7 +310,7 @@ def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
     fwd, _ = recipe_formats(recipe)
     live = steps_state(state)
     w_cast = _cast_experts(weight, recipe, cache, state)
-    x_cast = _cast_rows(x, offsets, state.input, fwd, recipe, recipe.margin, update=live,
+    x_cast = _cast_rows(x, offsets, state, "input", fwd, recipe, recipe.margin, update=live,
                         warm=takes_warm_scale(state, "input", live), record=live, transpose=True)
     if live:
         state.warm["grad"] = not state.grad.started
@@ -342,10 +374,6 @@ def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
     if weight_cache is not None and weight_cache is not state.weight_cache:
         raise ValueError("with a state, the weight cache is the state's (state.weight_cache): "
                          "pass weight_cache=None or that one")
-    if (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1):
-        raise NotImplementedError("grouped_linear with DelayedScaling does not all-reduce the "
-                                  "experts' amaxes across processes yet")
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,

@@ -5,22 +5,32 @@ It is ScalingState's delayed-scaling part with a leading expert dimension: an Ex
 the input (each expert's rows of X), the weight and the gradient (each expert's rows of dY), whose
 buffers are RoleState's, [E, ...]. Expert g's slice goes through exactly what a dense layer's
 RoleState goes through when that layer runs on expert g's rows alone: the same update (the dense
-update's formulas over all experts at once, so the same bytes), the same amax record (an expert with no rows records 0, as a
-dense layer given an empty input does), the same warm start. The amaxes are not all-reduced
-across processes.
+update's formulas over all experts at once, so the same bytes), the same amax record (an expert
+with no rows records 0, as a dense layer given an empty input does), the same warm start.
+
+Under torch.distributed the records go as the dense layers' do (scaling/role.py): a cast records
+each expert's amax on its own rank (record_locally), and the one MAX all-reduce at the end of the
+backward pass (distributed/amax_reduction.py) folds every rank's records of every expert in,
+with the dense layers' records, so that every buffer is identical on every rank between steps.
+An expert that got no tokens on one rank records 0 there, which the MAX leaves out: each expert
+steps as it would in one process that ran the rows of all ranks together. A warm start (nothing
+recorded yet) casts with each expert's amax all-reduced over the ranks, for the same reason.
 """
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..distributed import amax_reduction
+from ..distributed.amax import all_reduce_amax
 from ..formats import get_format
 from ..ops import emulation
 from ..ops.fused import record_amax
-from .recipes import DelayedScaling
+from .recipes import DelayedScaling, current_scale
 from .weight_cache import WeightCache
 
 logger = logging.getLogger("fp8ops.modules")
@@ -75,6 +85,15 @@ class ExpertRoleState(nn.Module):
         """pending = max(pending, amax) per expert; a non-finite amax is counted instead."""
         record_amax(self.pending_amax, self.nonfinite_count, amax, torch.isfinite(amax))
 
+    @torch.no_grad()
+    def warm_scale(self, amax: torch.Tensor, fmt, margin: float, recipe) -> torch.Tensor:
+        """Each expert's scale before the role has recorded anything, from its amax [E] of this
+        rank MAX-reduced over the recipe's process group (1.0 where any rank's is not finite), as
+        current scaling: what one process casting every rank's values would take."""
+        amax, finite = all_reduce_amax(amax, recipe.process_group, recipe=recipe)
+        amax = torch.where(finite, amax, float("nan"))
+        return current_scale(amax, fmt, margin, recipe.power_of_two)
+
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self.started = bool((self.step > 0).any().item())  # one host read per load
@@ -88,6 +107,8 @@ class ExpertScalingState(nn.Module):
 
     ROLES = ("input", "weight", "grad")
     delayed = True  # (read by the dense layer's helpers: autograd.steps_state / takes_warm_scale)
+    # no role of the experts is sharded by tensor parallelism (read by amax_reduction)
+    shard_meshes = MappingProxyType({})
 
     def __init__(self, recipe: DelayedScaling, num_experts: int, device=None,
                  weight_cache: Optional[WeightCache] = None):
@@ -113,6 +134,41 @@ class ExpertScalingState(nn.Module):
             self._modules[role].reset()
         self.warm = {"input": True, "grad": True}
         self.weight_cache.invalidate()
+        # under torch.distributed: the roles with amaxes recorded on this rank only, since the
+        # last reduce_records()
+        self._unreduced = set()
+
+    def step_role(self, role: str, recipe: DelayedScaling, fmt, margin: float) -> None:
+        """Step `role` of every expert; records of this rank alone are folded with the other
+        ranks' first (its new scales must see them all)."""
+        if self.needs_reduce(role):
+            self.reduce_records()
+        self._modules[role].update(recipe, fmt, margin)
+
+    def record_role(self, role: str, amax: torch.Tensor) -> None:
+        """Record each expert's amax [E] in `role`; under torch.distributed on this rank only,
+        for the step's one all-reduce to fold in (amax_reduction)."""
+        self._modules[role].record(amax)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.record_locally(role)
+
+    def record_locally(self, role: str) -> None:
+        """A cast of `role` recorded its experts' amaxes on this rank only (reduce_records folds
+        the other ranks' in)."""
+        self._unreduced.add(role)
+
+    def needs_reduce(self, role: Optional[str] = None) -> bool:
+        """Whether `role` (any role: None) holds records not yet reduced over the ranks."""
+        return bool(self._unreduced) if role is None else role in self._unreduced
+
+    def reduce_records(self) -> None:
+        """Fold every rank's records of every expert in now: one MAX all-reduce over the recipe's
+        process group (amax_reduction.reduce_states)."""
+        amax_reduction.reduce_states([self])
+
+    def records_reduced(self) -> None:
+        """Every rank's records are folded in (amax_reduction)."""
+        self._unreduced = set()
 
     def set_recording(self, on: bool) -> None:
         self.__dict__["recording"] = on
@@ -134,12 +190,22 @@ class ExpertScalingState(nn.Module):
             logger.info("fp8ops: %s has no FP8 state in the checkpoint; its FP8 state starts "
                         "fresh", prefix.rstrip(".") or "ExpertScalingState")
         self.weight_cache.invalidate()
+        self._unreduced = set()  # the checkpoint's buffers replace the local records
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         scale = state_dict.get(prefix + "weight_cast_scale")
         if (isinstance(scale, torch.Tensor) and tuple(scale.shape) == (self.num_experts,)
                 and not scale.is_meta and bool((scale != 0).all().item())):
             self.weight_cache.restore(scale.to(self.weight.scale.device, torch.float32,
                                                copy=True))
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_unreduced"] = set()  # (a copy outside the process group reduces nothing)
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("_unreduced", set())  # a pickle from before the records were local
+        super().__setstate__(state)
 
     def _apply(self, fn, recurse=True):
         # .half() / .to(dtype) must not touch the float32 scales; device moves still apply
