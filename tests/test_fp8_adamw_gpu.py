@@ -1,6 +1,7 @@
 """FP8AdamW on a GPU: the fused step (csrc/adamw.cu, torch.ops.fp8ops.adamw_step on CUDA) writes
 the bytes of the emulation on the CPU (fp8ops/ops/adamw.py), for every second-moment format and
-parameter dtype, ragged sizes, zero blocks, huge and tiny values; and an optimizer on CUDA trains
+parameter dtype, ragged sizes, zero blocks, huge and tiny values; adamw_step_multi (a list of
+parameters in one launch) writes the bytes of adamw_step on each; and an optimizer on CUDA trains
 as the same optimizer on the CPU, bit for bit. Skipped without an FP8 GPU."""
 from __future__ import annotations
 

@@ -66,8 +66,8 @@ def _step_fp8(params: list, states: list, scalars: torch.Tensor, rng: torch.Tens
     """One adamw_step_multi call for a bucket of parameters with FP8 moments."""
     targets = _contiguous_targets(params)
     grads = [_local(p.grad) for p in params]
-    torch.ops.fp8ops.adamw_step_multi(targets, grads, *([s[k] for s in states] for k in _FP8_STATE),
-                                      scalars, rng)
+    moment_lists = ([state[k] for state in states] for k in _FP8_STATE)
+    torch.ops.fp8ops.adamw_step_multi(targets, grads, *moment_lists, scalars, rng)
     _write_back(params, targets)
 
 
