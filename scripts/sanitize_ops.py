@@ -104,13 +104,13 @@ def _adamw_lists(sizes, pdt, vdt):
     """adamw_step_multi's six lists for zero-moment parameters of these sizes."""
     lists = [[] for _ in range(6)]
     for n in sizes:
-        blocks = torch.zeros(-(-n // 128), 128, device="cuda")
+        blocks = -(-n // 128)
         p = torch.randn(n, device="cuda").to(pdt)
-        m, msi = ops.quantize_blockwise(blocks, F8, 1, 128, False)
+        m, msi = torch.zeros(blocks, 128, device="cuda").to(F8), torch.ones(blocks, 1, device="cuda")
         if vdt == torch.bfloat16:
             v, vsi = torch.zeros(n, device="cuda", dtype=vdt), torch.empty(0, device="cuda")
         else:
-            v, vsi = ops.quantize_blockwise(blocks, vdt, 1, 128, False)
+            v, vsi = torch.zeros(blocks, 128, device="cuda").to(vdt), msi.clone()
         for lst, t in zip(lists, (p, torch.randn_like(p), m, msi, v, vsi)):
             lst.append(t)
     return lists
