@@ -1,4 +1,5 @@
-// The FP8AdamW step of one parameter (fp8ops/ops/adamw.py is its definition): torch-free.
+// The FP8AdamW step of one parameter, or of a list of them in one launch (fp8ops/ops/adamw.py is
+// its definition): torch-free.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -27,5 +28,34 @@ struct AdamWParams {
 };
 
 void launch_adamw_step(const AdamWParams& p, cudaStream_t stream);
+
+// One parameter of a multi-tensor step: AdamWParams' tensors (the scalars are in the tables of
+// AdamWMultiParams) and where its blocks start in the launch.
+struct AdamWTensor {
+  void* param;
+  const void* grad;
+  uint8_t* m;
+  float* m_scale_inv;
+  void* v;
+  float* v_scale_inv;   // nullptr for a bfloat16 v
+  int64_t n;
+  int64_t first_block;  // the blocks of the tensors before it: a non-decreasing prefix sum
+};
+
+constexpr int kAdamWScalars = 9;  // beta1 ... l2, in AdamWParams' order
+
+// Tensors sharing one param dtype and one second-moment format, stepped in one launch; every
+// pointer is to device memory.
+struct AdamWMultiParams {
+  const AdamWTensor* tensors;  // [count]
+  const float* scalars;        // [count, kAdamWScalars]: each tensor's float scalars
+  const int64_t* rng;          // [count, 2]: each tensor's seed and offset
+  int64_t count;
+  int64_t total_blocks;        // the blocks of all tensors
+  DType param_dtype;
+  SecondMoment second_moment;
+};
+
+void launch_adamw_step_multi(const AdamWMultiParams& p, cudaStream_t stream);
 
 }  // namespace fp8ops

@@ -98,6 +98,34 @@ for n in (1, 129, 1000):
                                                 vdt, 1, 128, False)
             ops.adamw_step(p, torch.randn_like(p), m, msi, v, vsi, 0.875, 0.125, 0.9375, 0.0625,
                            1e-8, 0.01, 1.5, 0.999, 0.0, 1, 2)
+
+
+def _adamw_lists(sizes, pdt, vdt):
+    """adamw_step_multi's six lists for zero-moment parameters of these sizes."""
+    lists = [[] for _ in range(6)]
+    for n in sizes:
+        blocks = -(-n // 128)
+        p = torch.randn(n, device="cuda").to(pdt)
+        m, msi = torch.zeros(blocks, 128, device="cuda").to(F8), torch.ones(blocks, 1, device="cuda")
+        if vdt == torch.bfloat16:
+            v, vsi = torch.zeros(n, device="cuda", dtype=vdt), torch.empty(0, device="cuda")
+        else:
+            v, vsi = torch.zeros(blocks, 128, device="cuda").to(vdt), msi.clone()
+        for lst, t in zip(lists, (p, torch.randn_like(p), m, msi, v, vsi)):
+            lst.append(t)
+    return lists
+
+
+# the multi-tensor step: ragged, empty and one-value parameters in one launch, tables on the
+# host and on the device
+for sizes in ([1000, 0, 1, 129], [0], [5, 128, 4099]):
+    for pdt in (torch.float32, torch.bfloat16):
+        for vdt in (F8, torch.float8_e5m2, torch.bfloat16):
+            scalars = torch.tensor([[0.875, 0.125, 0.9375, 0.0625, 1e-8, 0.01, 1.5, 0.999, 0.0]]
+                                   * len(sizes))
+            rng = torch.tensor([[1, i << 32 | 2] for i in range(len(sizes))])
+            ops.adamw_step_multi(*_adamw_lists(sizes, pdt, vdt), scalars, rng)
+            ops.adamw_step_multi(*_adamw_lists(sizes, pdt, vdt), scalars.cuda(), rng.cuda())
 for algo in ("max", "most_recent", "ema", "percentile"):
     for L in (1, 17, 1024):
         ops.delayed_scale_update(torch.rand(L, device="cuda"), torch.ones(1, device="cuda"),
@@ -129,4 +157,4 @@ for sizes in ([5, 0, 200, 77], [1, 2, 3, 5, 7, 11], [0, 0, 130]):
                                     torch.randn(k, m, device="cuda").to(F8), offsets, sg, sg,
                                     torch.float32)
 torch.cuda.synchronize()
-print("sanitize_ops: every cast and GEMM op ran")
+print("sanitize_ops: every cast, GEMM and optimizer op ran")

@@ -10,7 +10,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAST_OPS = ["amax", "quantize", "dequantize", "quantize_mx", "dequantize_mx", "quantize_blockwise",
             "dequantize_blockwise", "delayed_scale_update", "quantize_current", "quantize_delayed",
-            "quantize_blockwise_pair", "quantize_mx_pair", "cast_stats", "adamw_step"]
+            "quantize_blockwise_pair", "quantize_mx_pair", "cast_stats", "adamw_step",
+            "adamw_step_multi"]
 
 
 BUILT = pytest.mark.skipif(not glob.glob(os.path.join(ROOT, "fp8ops", "_C*.so")),

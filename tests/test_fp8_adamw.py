@@ -354,6 +354,85 @@ def test_under_cpu_offload_the_host_state_is_fp8():
     assert dtypes == {torch.float8_e4m3fn}
 
 
+# -- one op call per bucket of parameters -------------------------------------------------------
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops called under it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_params():
+    """Two param groups of float32 and bfloat16 parameters, large (FP8 moments, min_fp8_numel
+    256) and small (float32 moments), one of them a non-contiguous tensor."""
+    shapes = [((48, 100), torch.float32), ((300,), torch.float32), ((64, 128), torch.bfloat16),
+              ((7,), torch.bfloat16), ((10,), torch.float32), ((1000,), torch.bfloat16)]
+    first = [_param(s, dt, seed=i) for i, (s, dt) in enumerate(shapes)]
+    first.append(torch.nn.Parameter(_param((128, 72), seed=9).detach().t()))  # non-contiguous
+    second = [_param((40, 33), seed=10), _param((129,), torch.bfloat16, seed=11),
+              _param((500,), torch.bfloat16, seed=12)]
+    return [first, second]
+
+
+def _per_param_loop(groups, grads_per_step, hyper, group_moments):
+    """The step as one adamw_step (or step_float32) per parameter, with its own scalars."""
+    from fp8ops.ops import adamw
+    params = [p.detach().clone() for group in groups for p in group]
+    second = [group_moments[g] for g, group in enumerate(groups) for _ in group]
+    states, steps = [None] * len(params), [0] * len(params)
+    for grads in grads_per_step:
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
+                continue
+            if states[i] is None:
+                states[i] = moments.empty_state(p.numel(), second[i], p.numel() >= 256, "cpu")
+            steps[i] += 1
+            scalars = adamw.step_scalars(hyper["lr"], hyper["betas"], hyper["eps"],
+                                         hyper["weight_decay"], True, steps[i], hyper["seed"], i)
+            target, st = p.contiguous(), states[i]
+            if st["m"].dtype == torch.float32:
+                adamw.step_float32(target, g, st["m"], st["v"], *scalars)
+            else:
+                torch.ops.fp8ops.adamw_step(target, g, st["m"], st["m_scale_inv"], st["v"],
+                                            st["v_scale_inv"], *scalars)
+            p.copy_(target)
+    return params
+
+
+def test_one_multi_call_per_bucket_equals_the_per_parameter_loop():
+    hyper = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, seed=4)
+    groups = _mixed_params()
+    flat = [p for group in groups for p in group]
+    opt = fp8ops.FP8AdamW([{"params": groups[0]}, {"params": groups[1], "second_moment": "e5m2"}],
+                          min_fp8_numel=256, **hyper)
+    g = torch.Generator().manual_seed(2)
+    grads_per_step = [[(torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype) for p in flat]
+                      for _ in range(4)]
+    grads_per_step[1][0] = grads_per_step[2][2] = None  # their step counts lag from then on
+    grads_per_step[2][7] = None  # a whole bucket without gradients: no call for it
+    want = _per_param_loop(groups, grads_per_step, hyper, ["sqrt_e4m3", "e5m2"])
+    # FP8 buckets: group 0's float32 (3 params) and bfloat16 (2) ones; group 1's float32 and
+    # bfloat16 ones (1 each; its bfloat16 param of 129 values keeps float32 moments)
+    expected_calls = [4, 4, 3, 4]
+    for grads, calls in zip(grads_per_step, expected_calls):
+        for p, grad in zip(flat, grads):
+            p.grad = grad
+        with _CountOps() as ops:
+            opt.step()
+        assert ops.calls.count(torch.ops.fp8ops.adamw_step_multi.default) == calls
+        assert torch.ops.fp8ops.adamw_step.default not in ops.calls
+    assert not flat[6].is_contiguous()
+    for p, w in zip(flat, want):
+        bits = torch.int32 if p.dtype == torch.float32 else torch.int16
+        assert torch.equal(p.detach().view(bits), w.view(bits))
+    assert [int(opt.state[p]["step"]) for p in flat[:3]] == [3, 4, 3]
+
+
 # -- FSDP2 (DTensor parameters), on gloo ---------------------------------------------------------
 def _fsdp_model():
     torch.manual_seed(0)

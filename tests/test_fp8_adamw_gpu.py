@@ -1,6 +1,7 @@
 """FP8AdamW on a GPU: the fused step (csrc/adamw.cu, torch.ops.fp8ops.adamw_step on CUDA) writes
 the bytes of the emulation on the CPU (fp8ops/ops/adamw.py), for every second-moment format and
-parameter dtype, ragged sizes, zero blocks, huge and tiny values; and an optimizer on CUDA trains
+parameter dtype, ragged sizes, zero blocks, huge and tiny values; adamw_step_multi (a list of
+parameters in one launch) writes the bytes of adamw_step on each; and an optimizer on CUDA trains
 as the same optimizer on the CPU, bit for bit. Skipped without an FP8 GPU."""
 from __future__ import annotations
 
@@ -109,3 +110,135 @@ def test_optimizer_on_cuda_trains_as_on_the_cpu(dtype, second_moment):
         return [p.detach().cpu() for p in model.parameters()]
     for a, b in zip(run("cpu"), run("cuda")):
         assert torch.equal(_bytes(a), _bytes(b))
+
+
+# -- adamw_step_multi: a list of parameters in one launch ------------------------------------
+GUARD = 256  # poisoned bytes around each tensor: a write past a tensor's end changes them
+SIZES = [1000, 0, 1, 128, 127, 4096 + 3, 129, 1 << 16]
+
+
+def _guarded(t):
+    """t copied to the middle of a CUDA buffer poisoned around it: (the copy, the buffer)."""
+    nbytes = t.numel() * t.element_size()
+    raw = torch.full((nbytes + 2 * GUARD,), 0xA5, dtype=torch.uint8, device="cuda")
+    inner = raw[GUARD:GUARD + nbytes].view(t.dtype).view(t.shape)
+    inner.copy_(t.cuda())
+    return inner, raw
+
+
+def _guards_intact(raw):
+    return bool((raw[:GUARD] == 0xA5).all() and (raw[-GUARD:] == 0xA5).all())
+
+
+def _poison_padding(state, n):
+    """NaN bytes in the moments' padding past n values: the step must rewrite them (as zeros)."""
+    for t in (state[2], state[4]):
+        if t.element_size() == 1 and t.numel() > n:
+            t.view(torch.uint8).view(-1)[n:] = 0x7F
+
+
+def _multi_states(dtype, form):
+    states = [_state(n, dtype, form, seed=i) for i, n in enumerate(SIZES)]
+    for s, n in zip(states, SIZES):
+        _poison_padding(s, n)
+    return states
+
+
+def _multi_tables(count):
+    """Each parameter its own step size, bias correction and random stream."""
+    scalars = torch.tensor([SCALARS[:9]] * count, dtype=torch.float32)
+    scalars[:, 5] *= torch.arange(1, count + 1)
+    scalars[:, 6] += torch.arange(count) / 8
+    rng = torch.tensor([[11 + i, (i << 32) | (i + 3)] for i in range(count)], dtype=torch.int64)
+    return scalars, rng
+
+
+@pytest.mark.parametrize("form", ["sqrt_e4m3", "e5m2", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tables_on", ["cpu", "cuda"])
+def test_multi_step_equals_single_steps(form, dtype, tables_on):
+    """adamw_step_multi on CUDA writes each parameter's bytes as adamw_step on CUDA and as the
+    emulation on the CPU, and nothing outside its tensors."""
+    states = _multi_states(dtype, form)
+    scalars, rng = _multi_tables(len(states))
+    singles = [[t.cuda() for t in s] for s in states]
+    for i, s in enumerate(singles):
+        torch.ops.fp8ops.adamw_step(*s, *scalars[i].tolist(), *rng[i].tolist())
+    emulated = [[t.clone() for t in s] for s in states]
+    adamw.adamw_step_multi(*map(list, zip(*emulated)), scalars, rng)
+    guarded = [[_guarded(t) for t in s] for s in states]
+    lists = [[g[k][0] for g in guarded] for k in range(6)]
+    torch.ops.fp8ops.adamw_step_multi(*lists, scalars.to(tables_on), rng.to(tables_on))
+    torch.cuda.synchronize()
+    for i, n in enumerate(SIZES):
+        for k, name in enumerate(("param", "grad", "m", "m_scale_inv", "v", "v_scale_inv")):
+            got, raw = guarded[i][k]
+            assert _guards_intact(raw), (n, name)
+            assert torch.equal(_bytes(got.cpu()), _bytes(singles[i][k].cpu())), (n, name)
+            assert torch.equal(_bytes(got.cpu()), _bytes(emulated[i][k])), (n, name)
+
+
+def test_multi_step_is_one_kernel_on_the_current_stream():
+    states = _multi_states(torch.bfloat16, "sqrt_e4m3")
+    scalars, rng = _multi_tables(len(states))
+    want = [[t.clone() for t in s] for s in states]
+    adamw.adamw_step_multi(*map(list, zip(*want)), scalars, rng)
+    side = torch.cuda.Stream()
+    gpu = [[t.cuda() for t in s] for s in states]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.fp8ops.adamw_step_multi(*map(list, zip(*gpu)), scalars, rng)
+            torch.cuda.synchronize()
+    # the table's host-to-device copy is a memcpy, not a kernel
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower()]
+    assert kernels == [k for k in kernels if "multi" in k] and len(kernels) == 1, kernels
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(want, gpu):
+        for x, y in zip(a, b):
+            assert torch.equal(_bytes(x), _bytes(y.cpu()))
+
+
+def test_multi_step_refuses_bad_arguments():
+    f32 = [[t.cuda() for t in _state(n, torch.float32, "e5m2", n)] for n in (300, 5)]
+    bf16 = [[t.cuda() for t in _state(200, torch.bfloat16, "e5m2", 1)]]
+    scalars, rng = _multi_tables(2)
+    lists = [list(x) for x in zip(*f32)]
+    multi = torch.ops.fp8ops.adamw_step_multi
+    with pytest.raises(RuntimeError, match="one length"):
+        multi(lists[0], lists[1][:1], *lists[2:], scalars, rng)
+    with pytest.raises(RuntimeError, match="scalars must be float32"):
+        multi(*lists, scalars[:1], rng)
+    with pytest.raises(RuntimeError, match="rng must be int64"):
+        multi(*lists, scalars, rng.float())
+    with pytest.raises(RuntimeError, match="tensor 1: grad must be"):
+        multi(*lists[:1], [lists[1][0], lists[1][1][:2]], *lists[2:], scalars, rng)
+    with pytest.raises(RuntimeError, match="tensor 1: grad must be a CUDA tensor"):
+        multi(*lists[:1], [lists[1][0], lists[1][1].cpu()], *lists[2:], scalars, rng)
+    mixed = [a + b for a, b in zip(lists, ([x] for x in bf16[0]))]
+    scalars3, rng3 = _multi_tables(3)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        multi(*mixed, scalars3, rng3)
+
+
+def test_optimizer_on_cuda_makes_one_multi_call_per_bucket():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
+    opt = fp8ops.FP8AdamW(model.parameters(), lr=1e-2, min_fp8_numel=1024)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2
+    with Count() as count:
+        opt.step()
+    assert count.calls.count(torch.ops.fp8ops.adamw_step_multi.default) == 1
+    assert torch.ops.fp8ops.adamw_step.default not in count.calls

@@ -70,7 +70,32 @@ def _samples():
                         torch.empty(0), *ADAMW_SCALARS[:-2], 7, 3 << 32 | 5),
                        (torch.randn(128), torch.randn(128), _fp8((1, 128)), torch.rand(1, 1),
                         _moment((1, 128), E5), torch.rand(1, 1), *ADAMW_SCALARS)],
+        # lists of params, grads, m, m_scale_inv, v, v_scale_inv; scalars [n, 9]; rng [n, 2]
+        "adamw_step_multi": [_adamw_multi_sample([(3, 100), (200,), (0,)], torch.float32, E4),
+                             _adamw_multi_sample([(130,), (5,)], torch.bfloat16, torch.bfloat16),
+                             _adamw_multi_sample([(256,)], torch.float32, E5),
+                             _adamw_multi_sample([], torch.float32, E4)],
     }
+
+
+def _adamw_multi_sample(shapes, dtype, v_dtype):
+    """adamw_step_multi's arguments for parameters of these shapes (each its own step count
+    and random stream)."""
+    blocks = [-(-torch.Size(s).numel() // 128) for s in shapes]
+    params = [torch.randn(s).to(dtype) for s in shapes]
+    if v_dtype == torch.bfloat16:
+        v = [torch.rand(s).bfloat16() for s in shapes]
+        v_si = [torch.empty(0) for _ in shapes]
+    else:
+        v = [_moment((b, 128), v_dtype) for b in blocks]
+        v_si = [torch.rand(b, 1) for b in blocks]
+    scalars = torch.tensor([ADAMW_SCALARS[:9]] * len(shapes), dtype=torch.float32).reshape(-1, 9)
+    scalars[:, 5] *= torch.arange(1, len(shapes) + 1)  # step sizes of different steps
+    rng = torch.tensor([[7, i << 32 | (i + 1)] for i in range(len(shapes))],
+                       dtype=torch.int64).reshape(-1, 2)
+    return ([p.clone() for p in params], [torch.randn_like(p) for p in params],
+            [_fp8((b, 128)) for b in blocks], [torch.rand(b, 1) for b in blocks], v, v_si,
+            scalars, rng)
 
 
 # beta1, 1 - beta1, beta2, 1 - beta2, eps, step size, 1 / sqrt(1 - beta2^t), decay, l2 (float32
@@ -79,17 +104,30 @@ ADAMW_SCALARS = (0.875, 0.125, 0.9375, 0.0625, 2.0 ** -20, 0.01, 1.5, 0.999, 0.0
 SAMPLES = _samples()
 
 
+def _tensors(args):
+    """The tensors of an op's arguments, those in lists included, in order."""
+    flat = []
+    for a in args:
+        flat.extend(t for t in (a if isinstance(a, (list, tuple)) else [a])
+                    if isinstance(t, torch.Tensor))
+    return tuple(flat)
+
+
 def _results(name, args):
     """What an op gives: its outputs, or for an op that writes its arguments (returns None),
     the arguments it writes."""
     out = getattr(torch.ops.fp8ops, name)(*args)
     if out is None:
-        return tuple(a for a in args if isinstance(a, torch.Tensor))
+        return _tensors(args)
     return out if isinstance(out, tuple) else (out,)
 
 
 def _fresh(args):
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    def clone(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(clone(x) for x in a)
+        return a.clone() if isinstance(a, torch.Tensor) else a
+    return [clone(a) for a in args]
 
 
 def test_every_op_has_samples():
@@ -101,8 +139,7 @@ def test_every_op_has_samples():
 def test_opcheck(name, args):
     tests = ["test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic"]
-    if any(isinstance(a, torch.Tensor) and a.element_size() == 1 and a.is_floating_point()
-           for a in args):
+    if any(a.element_size() == 1 and a.is_floating_point() for a in _tensors(args)):
         # torch's SchemaCheckMode compares inputs with torch.allclose, which has no float8
         # kernel on CPU ("mul_cpu_reduced_float"): a limitation of the checker, not of the op.
         tests.remove("test_schema")
@@ -116,7 +153,7 @@ def test_op_runs_emulation_on_cpu(name):
     ref_args = _fresh(args)
     ref = getattr(emulation, name)(*ref_args)
     if ref is None:
-        ref = tuple(a for a in ref_args if isinstance(a, torch.Tensor))
+        ref = _tensors(ref_args)
     ref = ref if isinstance(ref, tuple) else (ref,)
     for g, r in zip(got, ref):
         assert g.dtype == r.dtype and g.shape == r.shape
@@ -177,3 +214,32 @@ def test_cuda_key_has_a_kernel_for_every_op():
     # The emulation serves CUDA tensors whenever the extension is not loaded.
     for name in SCHEMAS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{name}", "CUDA"), name
+
+
+@pytest.mark.parametrize("case", range(len(SAMPLES["adamw_step_multi"])))
+def test_adamw_step_multi_is_adamw_step_on_each_param(case):
+    args = SAMPLES["adamw_step_multi"][case]
+    got = _fresh(args)
+    torch.ops.fp8ops.adamw_step_multi(*got)
+    want = _fresh(args)
+    lists, scalars, rng = want[:6], want[6], want[7]
+    for i, tensors in enumerate(zip(*lists)):
+        torch.ops.fp8ops.adamw_step(*tensors, *scalars[i].tolist(), *rng[i].tolist())
+    for g, w in zip(_tensors(got), _tensors(want)):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
+def test_adamw_step_multi_refuses_mixed_or_misshapen_lists():
+    f32 = SAMPLES["adamw_step_multi"][0]
+    bf16 = SAMPLES["adamw_step_multi"][1]
+    with pytest.raises(ValueError, match="one length"):
+        torch.ops.fp8ops.adamw_step_multi(*_fresh(f32[:1]), *_fresh([x[:2] for x in f32[1:6]]),
+                                          *f32[6:])
+    with pytest.raises(ValueError, match="scalars must be float32"):
+        torch.ops.fp8ops.adamw_step_multi(*_fresh(f32[:6]), f32[6][:2], f32[7])
+    with pytest.raises(ValueError, match="rng must be int64"):
+        torch.ops.fp8ops.adamw_step_multi(*_fresh(f32[:6]), f32[6], f32[7].int())
+    mixed = [a + b for a, b in zip(_fresh(f32[:6]), _fresh(bf16[:6]))]
+    with pytest.raises(ValueError, match="one dtype"):
+        torch.ops.fp8ops.adamw_step_multi(*mixed, torch.cat([f32[6], bf16[6]]),
+                                          torch.cat([f32[7], bf16[7]]))

@@ -62,6 +62,13 @@ SCHEMAS = {
                   "Tensor(d!) v, Tensor(e!) v_scale_inv, float beta1, float one_minus_beta1, "
                   "float beta2, float one_minus_beta2, float eps, float step_size, "
                   "float bias2_rsqrt, float decay, float l2, int seed, int offset) -> ()",
+    # adamw_step on each parameter of a list in one call (one kernel launch on CUDA): the
+    # parameters share one dtype and one v format; scalars: float32 [n, 9], a row of the nine
+    # float scalars above per parameter; rng: int64 [n, 2], its (seed, offset). Either table on
+    # the CPU (the usual case: the optimizer computes it there) or on the params' device.
+    "adamw_step_multi": "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m, "
+                        "Tensor(c!)[] m_scale_inv, Tensor(d!)[] v, Tensor(e!)[] v_scale_inv, "
+                        "Tensor scalars, Tensor rng) -> ()",
 }
 
 # The casts of the training step, one call each (fused.py gives their meaning in terms of
@@ -236,6 +243,15 @@ def _(amax_history, scale, amax_rep, pending_amax, step, fp8_max, margin, interv
       ema_alpha, percentile, power_of_two):
     return (torch.empty_like(amax_history), torch.empty_like(scale), torch.empty_like(scale),
             torch.empty_like(amax_rep), torch.empty_like(pending_amax))
+
+
+@torch.library.register_fake("fp8ops::adamw_step_multi")
+def _(params, grads, m, m_scale_inv, v, v_scale_inv, scalars, rng):
+    n = len(params)
+    torch._check(all(len(x) == n for x in (grads, m, m_scale_inv, v, v_scale_inv)),
+                 lambda: "fp8ops: adamw_step_multi: the lists must have one length")
+    torch._check(tuple(scalars.shape) == (n, 9) and tuple(rng.shape) == (n, 2),
+                 lambda: f"fp8ops: adamw_step_multi: scalars must be [{n}, 9] and rng [{n}, 2]")
 
 
 def _gemm_out(a, b, out_dtype):

@@ -4,7 +4,8 @@
 Moments of a parameter of n values are taken flat in blocks of BLOCK (the last one zero-padded):
 m as E4M3 blocks [blocks, BLOCK] with float32 scale_inv [blocks, 1]; v as E4M3 blocks holding
 sqrt(v), E5M2 blocks holding v, or bfloat16 [n] holding v (scale_inv then empty). The same step
-with float32 moments (small parameters) is `step_float32`.
+with float32 moments (small parameters) is `step_float32`. `adamw_step_multi` steps a list of
+parameters in one call, each as `adamw_step` would, its scalars a row of `scalar_table`.
 """
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ def step_scalars(lr: float, betas, eps: float, weight_decay: float, decoupled: b
             round_f32(eps), round_f32(lr / (1.0 - beta1 ** t)),
             round_f32(1.0 / math.sqrt(1.0 - beta2 ** t)), decay, l2,
             seed, (index << 32) | (t & 0xFFFFFFFF))
+
+
+N_SCALARS = 9  # beta1 ... l2 of step_scalars, one row per parameter of adamw_step_multi
+
+
+def scalar_table(lr: float, betas, eps: float, weight_decay: float, decoupled: bool,
+                 steps: torch.Tensor, seed: int, indices: torch.Tensor):
+    """step_scalars of many parameters of one param group as adamw_step_multi's tables: float32
+    [n, N_SCALARS] and int64 [n, 2] (seed, offset), on the CPU. steps and indices: int64 [n],
+    each parameter's step count t and index in its optimizer. Rows differ only through t, so
+    step_scalars runs once per distinct t (the same double arithmetic, hence the same values)."""
+    distinct, which = torch.unique(steps, return_inverse=True)
+    rows = [step_scalars(lr, betas, eps, weight_decay, decoupled, t, seed, 0)[:N_SCALARS]
+            for t in distinct.tolist()]
+    # float32 values already: the float32 tensor holds them exactly
+    scalars = torch.tensor(rows, dtype=torch.float32).reshape(-1, N_SCALARS)[which]
+    offsets = (indices << 32) | (steps & 0xFFFFFFFF)
+    rng = torch.stack((torch.full_like(steps, seed), offsets), dim=1)
+    return scalars, rng
 
 
 def store_moments(m, m_scale_inv, v, v_scale_inv, m32: torch.Tensor, v32: torch.Tensor,
@@ -168,3 +188,34 @@ def step_float32(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
     m.copy_(m32)
     v.copy_(v32)
     _write_param(param, p32, seed, offset)
+
+
+def _check_multi(params, grads, m, m_scale_inv, v, v_scale_inv, scalars, rng) -> None:
+    """The list-level checks of adamw_step_multi (each parameter's own: _check), as the CUDA
+    kernel makes them: one length, the tables' shapes, one param dtype and one v format."""
+    n = len(params)
+    if any(len(x) != n for x in (grads, m, m_scale_inv, v, v_scale_inv)):
+        raise ValueError(f"fp8ops: adamw_step_multi: params, grads, m, m_scale_inv, v and "
+                         f"v_scale_inv must be lists of one length, got "
+                         f"{[len(x) for x in (params, grads, m, m_scale_inv, v, v_scale_inv)]}")
+    if scalars.dtype != torch.float32 or tuple(scalars.shape) != (n, N_SCALARS):
+        raise ValueError(f"fp8ops: adamw_step_multi: scalars must be float32 [{n}, {N_SCALARS}], "
+                         f"got {scalars.dtype} {tuple(scalars.shape)}")
+    if rng.dtype != torch.int64 or tuple(rng.shape) != (n, 2):
+        raise ValueError(f"fp8ops: adamw_step_multi: rng must be int64 [{n}, 2] (seed, offset), "
+                         f"got {rng.dtype} {tuple(rng.shape)}")
+    if len({p.dtype for p in params}) > 1 or len({x.dtype for x in v}) > 1:
+        raise ValueError("fp8ops: adamw_step_multi: the params must share one dtype and the v "
+                         "one format, got params of " + str(sorted({str(p.dtype) for p in params}))
+                         + " and v of " + str(sorted({str(x.dtype) for x in v})))
+
+
+def adamw_step_multi(params: list, grads: list, m: list, m_scale_inv: list, v: list,
+                     v_scale_inv: list, scalars: torch.Tensor, rng: torch.Tensor) -> None:
+    """adamw_step on each parameter in turn, the i-th with the scalars scalars[i] (float32
+    [n, N_SCALARS]) and the random stream rng[i] (int64 [n, 2]: seed, offset)."""
+    _check_multi(params, grads, m, m_scale_inv, v, v_scale_inv, scalars, rng)
+    rows, words = scalars.tolist(), rng.tolist()
+    for i, param in enumerate(params):
+        adamw_step(param, grads[i], m[i], m_scale_inv[i], v[i], v_scale_inv[i], *rows[i],
+                   *words[i])

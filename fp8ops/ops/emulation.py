@@ -19,7 +19,8 @@ import torch
 
 from . import cpu_kernels, philox
 from .philox import philox4x32_10, random_words, uniform24  # noqa: F401 (tests use them here)
-from .adamw import adamw_step  # noqa: F401 (the op's emulation lives beside its helpers)
+# the optimizer ops' emulation lives beside its helpers
+from .adamw import adamw_step, adamw_step_multi  # noqa: F401
 from .scratch import scratch, scratch_like
 from ..formats import E8M0_BIAS, E8M0_NAN, get_format, round_f32
 

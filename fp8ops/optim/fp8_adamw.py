@@ -21,6 +21,7 @@ from ..ops import adamw
 from . import moments
 
 _TORCH_STATE = ("exp_avg", "exp_avg_sq")
+_FP8_STATE = ("m", "m_scale_inv", "v", "v_scale_inv")  # adamw_step_multi's lists, in order
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -33,6 +34,50 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a reduction over the ranks), else t."""
     full = getattr(t, "full_tensor", None)
     return full() if full is not None else t
+
+
+def _buckets(members: list, states: list) -> dict:
+    """The rows of `members` (a param group's (index, p) pairs) by what one adamw_step_multi
+    call takes together: device, param dtype and the moments' format (float32 or FP8 with its
+    second moment)."""
+    buckets = {}
+    for row, ((_, p), state) in enumerate(zip(members, states)):
+        local = _local(p)
+        key = (local.device, local.dtype, moments.form(state))
+        buckets.setdefault(key, []).append(row)
+    return buckets
+
+
+def _contiguous_targets(params: list) -> list:
+    """The local tensors the step writes: a non-contiguous local shard is stepped in a
+    contiguous copy (copied back by _write_back)."""
+    return [local if local.is_contiguous() else local.contiguous()
+            for local in map(_local, params)]
+
+
+def _write_back(params: list, targets: list) -> None:
+    for p, target in zip(params, targets):
+        local = _local(p)
+        if target is not local:
+            local.copy_(target)
+
+
+def _step_fp8(params: list, states: list, scalars: torch.Tensor, rng: torch.Tensor) -> None:
+    """One adamw_step_multi call for a bucket of parameters with FP8 moments."""
+    targets = _contiguous_targets(params)
+    grads = [_local(p.grad) for p in params]
+    moment_lists = ([state[k] for state in states] for k in _FP8_STATE)
+    torch.ops.fp8ops.adamw_step_multi(targets, grads, *moment_lists, scalars, rng)
+    _write_back(params, targets)
+
+
+def _step_float32(params: list, states: list, scalars: torch.Tensor, rng: torch.Tensor) -> None:
+    """Parameters with float32 moments (small ones: biases, norm gains), one at a time."""
+    targets = _contiguous_targets(params)
+    for target, p, state, row, words in zip(targets, params, states, scalars.tolist(),
+                                            rng.tolist()):
+        adamw.step_float32(target, _local(p.grad), state["m"], state["v"], *row, *words)
+    _write_back(params, targets)
 
 
 def _check_hyper(lr, betas, eps, weight_decay, second_moment, min_fp8_numel) -> None:
@@ -136,9 +181,16 @@ class FP8AdamW(Optimizer):
         if self.last_step_skipped:
             self.skipped_steps += 1
             return loss
-        for group, index, p in self._params_with_grad():
-            self._step_param(group, index, p)
+        for group, members in self._groups_with_grad():
+            self._step_group(group, members)
         return loss
+
+    def _groups_with_grad(self):
+        """Each param group with its parameters that have gradients, as (index, p) pairs."""
+        members = {}
+        for group, index, p in self._params_with_grad():
+            members.setdefault(id(group), (group, []))[1].append((index, p))
+        return members.values()
 
     def _init_state(self, group: dict, p: torch.Tensor) -> dict:
         local = _local(p)
@@ -147,23 +199,28 @@ class FP8AdamW(Optimizer):
         state["step"] = torch.tensor(0.0)
         return state
 
-    def _step_param(self, group: dict, index: int, p: torch.Tensor) -> None:
-        state = self.state[p]
-        if not state:
-            state.update(self._init_state(group, p))
-        state["step"] += 1
-        scalars = adamw.step_scalars(group["lr"], group["betas"], group["eps"],
-                                     group["weight_decay"], self.decoupled_weight_decay,
-                                     int(state["step"].item()), group["seed"], index)
-        local, grad = _local(p), _local(p.grad)
-        target = local if local.is_contiguous() else local.contiguous()
-        if state["m"].dtype == torch.float32:
-            adamw.step_float32(target, grad, state["m"], state["v"], *scalars)
-        else:
-            torch.ops.fp8ops.adamw_step(target, grad, state["m"], state["m_scale_inv"],
-                                        state["v"], state["v_scale_inv"], *scalars)
-        if target is not local:
-            local.copy_(target)
+    def _step_group(self, group: dict, members: list) -> None:
+        """One step of a param group's parameters: their step counts advanced together, then
+        one op call per bucket of parameters the op can take at once."""
+        states = []
+        for _, p in members:
+            state = self.state[p]
+            if not state:
+                state.update(self._init_state(group, p))
+            states.append(state)
+        step_counts = [s["step"] for s in states]
+        torch._foreach_add_(step_counts, 1.0)
+        steps = torch.stack(step_counts).to(torch.int64)
+        indices = torch.tensor([index for index, _ in members], dtype=torch.int64)
+        scalars, rng = adamw.scalar_table(group["lr"], group["betas"], group["eps"],
+                                          group["weight_decay"], self.decoupled_weight_decay,
+                                          steps, group["seed"], indices)
+        for rows in _buckets(members, states).values():
+            params = [members[i][1] for i in rows]
+            bucket_states = [states[i] for i in rows]
+            take = torch.tensor(rows, dtype=torch.int64)
+            step = _step_float32 if moments.form(bucket_states[0]) == "float32" else _step_fp8
+            step(params, bucket_states, scalars[take], rng[take])
 
     # -- checkpoints -------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
