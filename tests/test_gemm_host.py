@@ -38,17 +38,23 @@ def _cutlass_include():
     return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
 
 
-@pytest.fixture(scope="module")
-def can_implement(tmp_path_factory):
+def _build(tmp_path_factory, name: str) -> str:
+    """tests/csrc/<name>.cu built for the host with fp8ops' CUTLASS flags: the executable."""
     nvcc, include = _nvcc(), _cutlass_include()
     if nvcc is None or include is None:
         pytest.skip("needs nvcc and the CUTLASS headers (pip install --no-deps nvidia-cutlass)")
-    exe = str(tmp_path_factory.mktemp("gemm_can_implement") / "gemm_can_implement")
+    exe = str(tmp_path_factory.mktemp(name) / name)
     cmd = [nvcc, "-std=c++17", "-O1", "-DNDEBUG", "--expt-relaxed-constexpr",
            "-gencode=arch=compute_90a,code=sm_90a", "-I", os.path.join(ROOT, "csrc"), "-I", include,
-           os.path.join(ROOT, "tests", "csrc", "gemm_can_implement.cu"), "-o", exe]
+           os.path.join(ROOT, "tests", "csrc", name + ".cu"), "-o", exe]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
+    return exe
+
+
+@pytest.fixture(scope="module")
+def can_implement(tmp_path_factory):
+    exe = _build(tmp_path_factory, "gemm_can_implement")
 
     def run(problems):
         text = "\n".join(f"{m} {n} {k} {out} {mode}" for m, n, k, out, mode in problems) + "\n"
@@ -119,15 +125,7 @@ def test_emulation_accepts_every_blockwise_shape(shape, per_row_b):
 # ---- the grouped (MoE) GEMM: every group's problem as the setup kernel makes it ----------------
 @pytest.fixture(scope="module")
 def grouped_can_implement(tmp_path_factory):
-    nvcc, include = _nvcc(), _cutlass_include()
-    if nvcc is None or include is None:
-        pytest.skip("needs nvcc and the CUTLASS headers (pip install --no-deps nvidia-cutlass)")
-    exe = str(tmp_path_factory.mktemp("grouped_can_implement") / "grouped_can_implement")
-    cmd = [nvcc, "-std=c++17", "-O1", "-DNDEBUG", "--expt-relaxed-constexpr",
-           "-gencode=arch=compute_90a,code=sm_90a", "-I", os.path.join(ROOT, "csrc"), "-I", include,
-           os.path.join(ROOT, "tests", "csrc", "grouped_can_implement.cu"), "-o", exe]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
+    exe = _build(tmp_path_factory, "grouped_can_implement")
 
     def run(cases):
         text = "\n".join(f"{kind} {out} {m} {n} {k} {len(ends)} " + " ".join(map(str, ends))
