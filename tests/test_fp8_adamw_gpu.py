@@ -223,16 +223,7 @@ def test_multi_step_refuses_bad_arguments():
 
 
 def test_optimizer_on_cuda_makes_one_multi_call_per_bucket():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append(func)
-            return func(*args, **(kwargs or {}))
+    from test_fp8_adamw import _CountOps as Count
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
     opt = fp8ops.FP8AdamW(model.parameters(), lr=1e-2, min_fp8_numel=1024)
