@@ -25,47 +25,28 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import amax_reduction
 from ..distributed.amax import all_reduce_amax
 from ..formats import get_format
 from ..ops import emulation
 from ..ops.fused import record_amax
+from .local_records import LocalRecords
 from .recipes import DelayedScaling, current_scale
+from .role import RoleState
 from .weight_cache import WeightCache
 
 logger = logging.getLogger("fp8ops.modules")
 
 
-class ExpertRoleState(nn.Module):
+class ExpertRoleState(RoleState):
     """RoleState's buffers for E experts: amax_history [E, L], scale, scale_inv, amax_rep,
     pending_amax [E] (float32), step, nonfinite_count [E] (int64). All updates in place, on
     the device, with no host sync."""
 
-    def __setattr__(self, name: str, value) -> None:
-        if name == "started":  # a plain bool, set by every live forward (as RoleState's)
-            self.__dict__[name] = value
-        else:
-            super().__setattr__(name, value)
-
     def __init__(self, num_experts: int, history_len: int, device=None):
-        super().__init__()
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.register_buffer("amax_history", torch.empty(num_experts, history_len, **f32))
-        for name in ("scale", "scale_inv", "amax_rep", "pending_amax"):
-            self.register_buffer(name, torch.empty(num_experts, **f32))
-        self.register_buffer("step", torch.empty(num_experts, **i64))
-        self.register_buffer("nonfinite_count", torch.empty(num_experts, **i64))
-        self.reset()
+        super().__init__(history_len, device, batch=(num_experts,))
 
-    @torch.no_grad()
-    def reset(self) -> None:
-        for buf in (self.amax_history, self.amax_rep, self.pending_amax, self.step,
-                    self.nonfinite_count):
-            buf.zero_()
-        self.scale.fill_(1.0)
-        self.scale_inv.fill_(1.0)
-        self.started = False  # no amax recorded yet: casts take each expert's own amax
+    def extra_repr(self) -> str:
+        return f"experts={self.scale.shape[0]}, history={self.amax_history.shape[1]}"
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, fmt, margin: float) -> None:
@@ -94,12 +75,8 @@ class ExpertRoleState(nn.Module):
         amax = torch.where(finite, amax, float("nan"))
         return current_scale(amax, fmt, margin, recipe.power_of_two)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self.started = bool((self.step > 0).any().item())  # one host read per load
 
-
-class ExpertScalingState(nn.Module):
+class ExpertScalingState(LocalRecords, nn.Module):
     """The delayed-scaling state of one grouped layer: `input`, `weight` and `grad`
     (ExpertRoleState), the warm-start choices, whether casts record (`recording`: False in eval
     mode), and the weight cache whose stepped cast a checkpoint keeps (`weight_cast_scale` [E],
@@ -134,9 +111,7 @@ class ExpertScalingState(nn.Module):
             self._modules[role].reset()
         self.warm = {"input": True, "grad": True}
         self.weight_cache.invalidate()
-        # under torch.distributed: the roles with amaxes recorded on this rank only, since the
-        # last reduce_records()
-        self._unreduced = set()
+        self.forget_local_records()  # (LocalRecords: under torch.distributed)
 
     def step_role(self, role: str, recipe: DelayedScaling, fmt, margin: float) -> None:
         """Step `role` of every expert; records of this rank alone are folded with the other
@@ -151,24 +126,6 @@ class ExpertScalingState(nn.Module):
         self._modules[role].record(amax)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.record_locally(role)
-
-    def record_locally(self, role: str) -> None:
-        """A cast of `role` recorded its experts' amaxes on this rank only (reduce_records folds
-        the other ranks' in)."""
-        self._unreduced.add(role)
-
-    def needs_reduce(self, role: Optional[str] = None) -> bool:
-        """Whether `role` (any role: None) holds records not yet reduced over the ranks."""
-        return bool(self._unreduced) if role is None else role in self._unreduced
-
-    def reduce_records(self) -> None:
-        """Fold every rank's records of every expert in now: one MAX all-reduce over the recipe's
-        process group (amax_reduction.reduce_states)."""
-        amax_reduction.reduce_states([self])
-
-    def records_reduced(self) -> None:
-        """Every rank's records are folded in (amax_reduction)."""
-        self._unreduced = set()
 
     def set_recording(self, on: bool) -> None:
         self.__dict__["recording"] = on
@@ -190,22 +147,13 @@ class ExpertScalingState(nn.Module):
             logger.info("fp8ops: %s has no FP8 state in the checkpoint; its FP8 state starts "
                         "fresh", prefix.rstrip(".") or "ExpertScalingState")
         self.weight_cache.invalidate()
-        self._unreduced = set()  # the checkpoint's buffers replace the local records
+        self.forget_local_records()  # the checkpoint's buffers replace them
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         scale = state_dict.get(prefix + "weight_cast_scale")
         if (isinstance(scale, torch.Tensor) and tuple(scale.shape) == (self.num_experts,)
                 and not scale.is_meta and bool((scale != 0).all().item())):
             self.weight_cache.restore(scale.to(self.weight.scale.device, torch.float32,
                                                copy=True))
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        state["_unreduced"] = set()  # (a copy outside the process group reduces nothing)
-        return state
-
-    def __setstate__(self, state):
-        state.setdefault("_unreduced", set())  # a pickle from before the records were local
-        super().__setstate__(state)
 
     def _apply(self, fn, recurse=True):
         # .half() / .to(dtype) must not touch the float32 scales; device moves still apply

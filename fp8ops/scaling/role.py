@@ -45,17 +45,19 @@ class RoleState(nn.Module):
         else:
             super().__setattr__(name, value)
 
-    def __init__(self, history_len: int, device=None):
+    def __init__(self, history_len: int, device=None, batch: tuple = ()):
+        """batch: leading dimensions of every buffer, for a batch of roles (a grouped layer's
+        experts, ExpertRoleState)."""
         super().__init__()
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        self.register_buffer("amax_history", torch.empty(history_len, **f32))
-        self.register_buffer("scale", torch.empty((), **f32))
-        self.register_buffer("scale_inv", torch.empty((), **f32))
-        self.register_buffer("amax_rep", torch.empty((), **f32))
-        self.register_buffer("pending_amax", torch.empty((), **f32))
-        self.register_buffer("step", torch.empty((), **i64))
-        self.register_buffer("nonfinite_count", torch.empty((), **i64))
+        self.register_buffer("amax_history", torch.empty(*batch, history_len, **f32))
+        self.register_buffer("scale", torch.empty(batch, **f32))
+        self.register_buffer("scale_inv", torch.empty(batch, **f32))
+        self.register_buffer("amax_rep", torch.empty(batch, **f32))
+        self.register_buffer("pending_amax", torch.empty(batch, **f32))
+        self.register_buffer("step", torch.empty(batch, **i64))
+        self.register_buffer("nonfinite_count", torch.empty(batch, **i64))
         self.reset()
 
     @torch.no_grad()
@@ -111,4 +113,4 @@ class RoleState(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.started = bool(self.step.item() > 0)  # one host read per load
+        self.started = bool((self.step > 0).any().item())  # one host read per load

@@ -7,14 +7,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import amax_reduction
 from .._checks import check_int64
+from .local_records import LocalRecords
 from .recipes import DelayedScaling, check_recipe
 from .role import RoleState
 from .weight_cache import BACKWARD, GRADIENT, KEY, Cast, WeightCache
 
 
-class ScalingState(nn.Module):
+class ScalingState(LocalRecords, nn.Module):
     """The FP8 state of one linear layer, for any recipe: delayed-scaling buffers (a RoleState for
     input, weight and grad; DelayedScaling only), the Philox seed/offset for stochastic gradient
     rounding, and the cached FP8 weight (`weight_cache`, a WeightCache). The buffers and the
@@ -49,9 +49,7 @@ class ScalingState(nn.Module):
         self.recording = True
         self.monitor = None  # (fp8ops.monitor.Monitor, layer name) while monitored
         self.weight_cache = WeightCache()
-        # under torch.distributed: the roles with amaxes recorded on this rank only, since the
-        # last reduce_records()
-        self._unreduced = set()
+        self.forget_local_records()  # (LocalRecords: under torch.distributed)
         # role -> the 1-D DeviceMesh its tensor is sharded over (tensor parallelism; shard_over)
         self.shard_meshes = {}
         self._stream = None  # the CUDA stream that used the state last (follow_stream)
@@ -77,7 +75,7 @@ class ScalingState(nn.Module):
         # DelayedScaling: whether the last live forward's casts took a warm scale, per role
         self.warm = {"input": True, "grad": True}
         self.weight_cache.invalidate()  # nothing cast before the reset may be reused
-        self._unreduced = set()
+        self.forget_local_records()
 
     @property
     def host_weight(self):
@@ -102,24 +100,6 @@ class ScalingState(nn.Module):
         self.shard_meshes[role] = mesh
         if self.delayed:
             getattr(self, role).shard_mesh = mesh
-
-    def record_locally(self, role: str) -> None:
-        """A cast of `role` recorded its amax on this rank only (reduce_records folds the others
-        in)."""
-        self._unreduced.add(role)
-
-    def needs_reduce(self, role: Optional[str] = None) -> bool:
-        """Whether `role` (any role: None) holds records not yet reduced over the ranks."""
-        return bool(self._unreduced) if role is None else role in self._unreduced
-
-    def reduce_records(self) -> None:
-        """Fold every rank's records of this layer in now: one MAX all-reduce over the recipe's
-        process group (amax_reduction.reduce_states)."""
-        amax_reduction.reduce_states([self])
-
-    def records_reduced(self) -> None:
-        """Every rank's records are folded in (amax_reduction)."""
-        self._unreduced = set()
 
     @property
     def weight_generation(self) -> int:
@@ -222,7 +202,7 @@ class ScalingState(nn.Module):
         if extra is not None:  # a checkpoint from before the state was kept in tensors
             _upgrade_extra_state(extra, state_dict, prefix)
         self.weight_cache.invalidate()
-        self._unreduced = set()  # the checkpoint's buffers replace the local records
+        self.forget_local_records()  # the checkpoint's buffers replace them
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # read back from the checkpoint's tensor (a host read, once per load), not the buffer: a
         # key that is absent (strict=False) or did not fit leaves the cast to reuse as it is
@@ -234,7 +214,6 @@ class ScalingState(nn.Module):
     def __getstate__(self):
         state = super().__getstate__()
         state["_stream"] = None
-        state["_unreduced"] = set()  # (a copy outside the process group reduces nothing)
         # the word and its numpy view must stay one memory: made again by __setstate__
         state.pop("recording_word", None)
         state.pop("_recording_word", None)
@@ -287,7 +266,6 @@ def _upgrade_pickled(state: dict) -> None:
     state.setdefault("weight_transposed", False)
     state.setdefault("high_precision_calls", 0)
     state.setdefault("shard_meshes", {})
-    state.setdefault("_unreduced", set())
 
 
 def _stream_key(device: torch.device):
