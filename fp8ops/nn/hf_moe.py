@@ -20,6 +20,10 @@ parameter also has its experts' delayed-scaling state, an ExpertScalingState in 
 `fp8_state` (a ModuleDict by parameter name, holding that parameter's weight cache): its buffers
 are in the module's state_dict under `fp8_state.`, as an FP8Linear's are (plain_state_dict
 leaves them out), and follow the module's device moves. Casts record in training mode only.
+Under FSDP2 (fully_shard after the conversion, before the first forward) the 3-D parameters are
+gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current and blockwise
+scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts module
+before its first forward to gather them in high precision.
 """
 from __future__ import annotations
 
@@ -128,7 +132,7 @@ def _offer_sharded(module: nn.Module, args) -> None:
     """Before any module's forward: hand the sharded 3-D parameters of the awaiting converted
     modules to fp8ops.distributed (no DTensor can exist before its module is imported)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
+    if dtensor is None or torch.compiler.is_compiling():  # (FSDP2 starts eagerly)
         return
     for ref in list(_AWAITING):
         mod = ref()
@@ -191,7 +195,7 @@ def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index
     """The experts' forward with FP8 grouped GEMMs: each token's k (token, expert) pairs sorted
     by expert, the up (and gate) projection, the gating, the down projection, the routing
     weights, and each token's k results summed."""
-    if _AWAITING:
+    if _AWAITING and not torch.compiler.is_compiling():
         _stop_awaiting(mod)  # (it runs unsharded, or was handed over already)
     tokens, k = top_k_index.shape
     experts = top_k_index.reshape(-1)
