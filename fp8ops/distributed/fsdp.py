@@ -12,14 +12,18 @@ single-process training:
     re-gathers) reuses that scale;
   - BlockwiseScaling: 128x128 blocks are row-local when every shard has whole blocks (rows a
     multiple of 128, even shards): cast locally, gather data and block scales, no all-reduce.
-  - FP8GroupedLinear's experts [E, out, in] (current scaling, a scale per expert; blockwise,
-    128x128 blocks per expert): FSDP2 shards dim 0, so each rank holds whole experts and casts
-    them as the unsharded layer does, no all-reduce; data and per-expert scales are gathered.
-    The shard's cast is kept in the layer's WeightCache (source: the sharded parameter) and
-    reused under its rule: once per optimizer step. Experts that do not split evenly over the
-    ranks (FSDP2 then takes no scales beside the padded shard's bytes) and placements other than
-    Shard(0) (an expert split over ranks) gather in high precision, logged once per layer with
-    the reason (experts_gather_refusal).
+  - experts [E, out, in] (current scaling, a scale per expert; blockwise, 128x128 blocks per
+    expert): a 3-D expert parameter with its own recipe and WeightCache (ExpertParameter: an
+    FP8GroupedLinear's weight, a converted transformers experts module's gate_up_proj / up_proj
+    / down_proj). FSDP2 shards dim 0, so each rank holds whole experts and casts them as the
+    unsharded layer does, no all-reduce; data and per-expert scales are gathered. The shard's
+    cast is kept in the parameter's WeightCache (source: the sharded parameter) and reused under
+    its rule: once per optimizer step. Experts that do not split evenly over the ranks (FSDP2
+    then takes no scales beside the padded shard's bytes), placements other than Shard(0) (an
+    expert split over ranks), experts stored [E, in, out] and delayed scaling (its shard casts
+    would need the role's [E] scales sliced and 0 recorded for the experts elsewhere: not built)
+    gather in high precision, logged once per parameter with the reason
+    (experts_gather_refusal).
 Everything else gathers the weight in high precision, as without this module: MXFP8 (its dgrad
 copy is blocked along N, across shards; gathering both FP8 copies moves as many bytes as bf16),
 a blockwise shard boundary inside a block, CurrentScaling with amax_percentile (a percentile is
@@ -27,7 +31,9 @@ not a MAX of shard percentiles), meshes other than one Shard(0) dimension (FSDP2
 parallelism: 2-D), and layers built with fp8_all_gather=False.
 
 FP8Linear and FP8GroupedLinear install the subclass when FSDP2 hands them their sharded
-parameter (their __setattr__), so `fully_shard(model)` on a converted model is all a user writes. Under
+parameter (their __setattr__); a converted transformers experts module's parameters are handed
+over before FSDP2's first forward (nn/hf_moe.py). So `fully_shard(model)` on a converted model is
+all a user writes. Under
 torch.compile the layers with an FP8-gathered weight run eagerly (functional.linear).
 
 fp8ops.monitor does not sample the weight role of a layer gathered in FP8 (its shards are cast
