@@ -27,12 +27,26 @@ def on_sharded_weight(layer, dtensor) -> None:
         if id(group) not in agreed:
             from .agreement import check_recipes
             agreed.add(id(group))
-            check_recipes(layer.recipe, group, once=False,
-                          what=f"an {type(layer).__name__}({layer.in_features}, "
-                               f"{layer.out_features})")
+            check_recipes(layer.recipe, group, once=False, what=_what(layer))
     from . import fsdp
     if fsdp.gathers_fp8(layer, dtensor):
         fsdp.install(layer, dtensor)
+
+
+def on_sharded_experts(module, name: str, dtensor) -> None:
+    """A converted transformers experts module's 3-D parameter `name` is FSDP2's sharded
+    DTensor: as on_sharded_weight, for that parameter (fsdp.ExpertParameter). Called by
+    nn.hf_moe before FSDP2's first forward (when FSDP2 looks for the extension)."""
+    from . import fsdp
+    on_sharded_weight(fsdp.expert_parameter(module, name), dtensor)
+
+
+def _what(layer) -> str:
+    """The layer as the recipe agreement's error names it."""
+    description = getattr(layer, "description", None)
+    if description is not None:
+        return description
+    return f"an {type(layer).__name__}({layer.in_features}, {layer.out_features})"
 
 
 def on_weight_set(layer, value) -> None:

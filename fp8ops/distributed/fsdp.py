@@ -12,14 +12,18 @@ single-process training:
     re-gathers) reuses that scale;
   - BlockwiseScaling: 128x128 blocks are row-local when every shard has whole blocks (rows a
     multiple of 128, even shards): cast locally, gather data and block scales, no all-reduce.
-  - FP8GroupedLinear's experts [E, out, in] (current scaling, a scale per expert; blockwise,
-    128x128 blocks per expert): FSDP2 shards dim 0, so each rank holds whole experts and casts
-    them as the unsharded layer does, no all-reduce; data and per-expert scales are gathered.
-    The shard's cast is kept in the layer's WeightCache (source: the sharded parameter) and
-    reused under its rule: once per optimizer step. Experts that do not split evenly over the
-    ranks (FSDP2 then takes no scales beside the padded shard's bytes) and placements other than
-    Shard(0) (an expert split over ranks) gather in high precision, logged once per layer with
-    the reason (experts_gather_refusal).
+  - experts [E, out, in] (current scaling, a scale per expert; blockwise, 128x128 blocks per
+    expert): a 3-D expert parameter with its own recipe and WeightCache (ExpertParameter: an
+    FP8GroupedLinear's weight, a converted transformers experts module's gate_up_proj / up_proj
+    / down_proj). FSDP2 shards dim 0, so each rank holds whole experts and casts them as the
+    unsharded layer does, no all-reduce; data and per-expert scales are gathered. The shard's
+    cast is kept in the parameter's WeightCache (source: the sharded parameter) and reused under
+    its rule: once per optimizer step. Experts that do not split evenly over the ranks (FSDP2
+    then takes no scales beside the padded shard's bytes), placements other than Shard(0) (an
+    expert split over ranks), experts stored [E, in, out] and delayed scaling (its shard casts
+    would need the role's [E] scales sliced and 0 recorded for the experts elsewhere: not built)
+    gather in high precision, logged once per parameter with the reason
+    (experts_gather_refusal).
 Everything else gathers the weight in high precision, as without this module: MXFP8 (its dgrad
 copy is blocked along N, across shards; gathering both FP8 copies moves as many bytes as bf16),
 a blockwise shard boundary inside a block, CurrentScaling with amax_percentile (a percentile is
@@ -27,7 +31,9 @@ not a MAX of shard percentiles), meshes other than one Shard(0) dimension (FSDP2
 parallelism: 2-D), and layers built with fp8_all_gather=False.
 
 FP8Linear and FP8GroupedLinear install the subclass when FSDP2 hands them their sharded
-parameter (their __setattr__), so `fully_shard(model)` on a converted model is all a user writes. Under
+parameter (their __setattr__); a converted transformers experts module's parameters are handed
+over before FSDP2's first forward (nn/hf_moe.py). So `fully_shard(model)` on a converted model is
+all a user writes. Under
 torch.compile the layers with an FP8-gathered weight run eagerly (functional.linear).
 
 fp8ops.monitor does not sample the weight role of a layer gathered in FP8 (its shards are cast
@@ -72,10 +78,12 @@ _GATHERED_VIEWS = {_aten.as_strided.default, _aten.view.default, _aten.detach.de
 
 
 def gathers_fp8(layer, dtensor: DTensor) -> bool:
-    """Whether FSDP2 should gather this layer's weight in FP8 (see the module doc)."""
+    """Whether FSDP2 should gather this layer's weight (an ExpertParameter's: that parameter) in
+    FP8 (see the module doc)."""
+    layer = _target(layer)
     if not getattr(layer, "fp8_all_gather", False) or getattr(dtensor, TP_WEIGHT, False):
         return False  # off, or a tensor-parallel style's weight (not FSDP2's shard)
-    if isinstance(layer, FP8GroupedLinear):
+    if _is_experts(layer):
         reason = experts_gather_refusal(layer, dtensor)
         if reason is not None:
             _report_refusal(layer, reason)
@@ -94,30 +102,38 @@ def gathers_fp8(layer, dtensor: DTensor) -> bool:
 
 
 def install(layer, dtensor: DTensor) -> None:
-    """Make FSDP2 gather layer's weight in FP8: wrap the sharded parameter's local tensor (FSDP2
-    looks for the extension right after it sets the sharded parameter on the module)."""
+    """Make FSDP2 gather layer's weight (an ExpertParameter's: that parameter) in FP8: wrap the
+    sharded parameter's local tensor (FSDP2 looks for the extension when it sets the sharded
+    parameter on the module, and again at its first forward)."""
+    layer = _target(layer)
     local = dtensor._local_tensor
     if not isinstance(local, FP8WeightShard):
         dtensor._local_tensor = FP8WeightShard(local, layer)
         if not _is_experts(layer):
             _register(layer)  # (its amax joins the batched all-reduce)
+    module = layer.module if _is_experts(layer) else layer
     if _is_experts(layer):
         _follow_source(layer.weight_cache, dtensor)
-    if layer not in _HOOKED:
-        _HOOKED.add(layer)
-        layer.register_state_dict_post_hook(_plain_weight)
+    if module not in _HOOKED:
+        _HOOKED.add(module)
+        module.register_state_dict_post_hook(_plain_weight)
 
 
 def experts_gather_refusal(layer, dtensor: DTensor) -> Optional[str]:
-    """Why FSDP2 cannot gather this FP8GroupedLinear's weight [E, out, in] in FP8 (None: it
-    can). The experts' scales (one per expert, or 128x128 blocks per expert) are computed on the
-    rank that holds the expert whole, which FSDP2's default Shard(0) gives: no all-reduce."""
+    """Why FSDP2 cannot gather these experts [E, out, in] in FP8 (an FP8GroupedLinear's weight
+    or an ExpertParameter; None: it can). The experts' scales (one per expert, or 128x128
+    blocks per expert) are computed on the rank that holds the expert whole, which FSDP2's
+    default Shard(0) gives: no all-reduce."""
+    layer = _target(layer)
     if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
         return (f"the weight is placed {tuple(dtensor.placements)} on a {dtensor.device_mesh.ndim}"
                 f"-D mesh, not Shard(0) (whole experts per rank) on a 1-D one: an expert split "
                 f"over ranks would need its scale from every piece")
     if not isinstance(layer.recipe, (CurrentScaling, BlockwiseScaling)):
         return f"{type(layer.recipe).__name__} has no FP8 gather for experts"
+    if layer.transposed:
+        return ("the experts are stored [E, in, out] (is_transposed): the gathered FP8 bytes "
+                "would be read through a transposed view")
     experts, world = dtensor.shape[0], dtensor.device_mesh.size()
     if experts % world:
         # FSDP2 pads the last shard and then takes extension inputs only of the padded shard's
@@ -125,6 +141,69 @@ def experts_gather_refusal(layer, dtensor: DTensor) -> Optional[str]:
         return (f"{experts} experts do not split evenly over {world} ranks (FSDP2 takes no "
                 f"per-expert scales beside the bytes of a padded shard)")
     return None
+
+
+class ExpertParameter:
+    """A 3-D expert parameter (an FP8GroupedLinear's `weight`, a converted transformers experts
+    module's `gate_up_proj` / `up_proj` / `down_proj`) as the FP8 gather sees it: its module,
+    its name there, the recipe and the WeightCache its casts go through. One per parameter
+    (expert_parameter), alive as long as its module; it holds the module weakly."""
+
+    def __init__(self, module, name: str):
+        self._module = weakref.ref(module)
+        self.name = name
+
+    @property
+    def module(self):
+        return self._module()
+
+    @property
+    def recipe(self):
+        module = self.module
+        return module.recipe if isinstance(module, FP8GroupedLinear) else module.fp8_recipe
+
+    @property
+    def weight_cache(self):
+        module = self.module
+        if isinstance(module, FP8GroupedLinear):
+            return module.weight_cache
+        return module.__dict__["fp8_weight_caches"][self.name]
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        return bool(getattr(self.module, "fp8_all_gather", True))
+
+    @property
+    def transposed(self) -> bool:
+        """Stored [E, in, out] (a transformers module's is_transposed)."""
+        return bool(getattr(self.module, "is_transposed", False))
+
+    @property
+    def description(self) -> str:
+        """What the recipe agreement's error names."""
+        module = self.module
+        return f"the experts {self.name} {tuple(getattr(module, self.name).shape)} of " \
+               f"{type(module).__name__}"
+
+    def __repr__(self):
+        return f"ExpertParameter({type(self.module).__name__}.{self.name})"
+
+
+# module -> {parameter name: its ExpertParameter}
+_EXPERT_PARAMETERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def expert_parameter(module, name: str) -> ExpertParameter:
+    """The ExpertParameter of module's 3-D parameter `name` (the same object every call)."""
+    params = _EXPERT_PARAMETERS.setdefault(module, {})
+    if name not in params:
+        params[name] = ExpertParameter(module, name)
+    return params[name]
+
+
+def _target(layer):
+    """What the FP8 gather works on: an FP8GroupedLinear's weight is an ExpertParameter."""
+    return expert_parameter(layer, "weight") if isinstance(layer, FP8GroupedLinear) else layer
 
 
 # the layers whose FP8 gather was refused, already reported (once per layer)
@@ -138,7 +217,7 @@ def _report_refusal(layer, reason: str) -> None:
 
 
 def _is_experts(layer) -> bool:
-    return isinstance(layer, FP8GroupedLinear)
+    return isinstance(layer, ExpertParameter)
 
 
 def _follow_source(cache, dtensor: DTensor) -> None:
@@ -149,15 +228,16 @@ def _follow_source(cache, dtensor: DTensor) -> None:
     cache.watch(dtensor)
 
 
-# the layers whose state_dict unwraps their FP8WeightShard
+# the modules whose state_dict unwraps their FP8WeightShards
 _HOOKED: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def _plain_weight(layer, state_dict, prefix, local_metadata) -> None:
-    """A checkpoint holds the plain shard, not the FP8 all-gather's wrapper."""
-    weight = state_dict.get(prefix + "weight")
-    if isinstance(weight, DTensor):
-        state_dict[prefix + "weight"] = plain_local(weight)
+def _plain_weight(module, state_dict, prefix, local_metadata) -> None:
+    """A checkpoint holds the plain shards, not the FP8 all-gather's wrappers."""
+    for name, _ in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, DTensor):
+            state_dict[prefix + name] = plain_local(value)
 
 
 def plain_local(dtensor: DTensor) -> DTensor:

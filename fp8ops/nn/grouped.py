@@ -30,10 +30,10 @@ recorded on each rank and folded across the ranks by the dense layers' one MAX a
 end of the backward pass (distributed/amax_reduction.py), and a warm start casts with each
 expert's amax over all ranks: every rank's state stays identical, and is the state of one process
 that ran every rank's tokens (an expert given no tokens on one rank takes the others' amaxes).
-Under FSDP2 (fully_shard) FP8GroupedLinear's weight is gathered in FP8 (distributed/fsdp.py):
-each rank casts its whole experts, the gathered bytes and scales come as the weight, and the
-grouped GEMMs take them as they are (current and blockwise scaling; delayed scaling gathers
-in high precision).
+Under FSDP2 (fully_shard) FP8GroupedLinear's weight, and a converted transformers experts
+module's 3-D parameters, are gathered in FP8 (distributed/fsdp.py): each rank casts its whole
+experts, the gathered bytes and scales come as the weight, and the grouped GEMMs take them as
+they are (current and blockwise scaling; delayed scaling gathers in high precision).
 Not here yet: MXFP8 and stochastic rounding.
 """
 from __future__ import annotations

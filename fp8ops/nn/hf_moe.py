@@ -20,17 +20,24 @@ parameter also has its experts' delayed-scaling state, an ExpertScalingState in 
 `fp8_state` (a ModuleDict by parameter name, holding that parameter's weight cache): its buffers
 are in the module's state_dict under `fp8_state.`, as an FP8Linear's are (plain_state_dict
 leaves them out), and follow the module's device moves. Casts record in training mode only.
+Under FSDP2 (fully_shard after the conversion, before the first forward) the 3-D parameters are
+gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current and blockwise
+scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts module
+before its first forward to gather them in high precision.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import sys
+import weakref
 from collections import Counter
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from ..distributed import on_sharded_experts
 from ..scaling import BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from .grouped import grouped_linear
@@ -88,8 +95,55 @@ def convert_experts(module: nn.Module, recipe,
             _set_expert_states(mod, recipe)
         mod.fp8_recipe = recipe
         mod.forward = functools.partial(fp8_experts_forward, mod)
+        _await_sharding(mod)
         kinds[type(mod).__name__] += 1
     return kinds
+
+
+# FSDP2 gathers a converted module's 3-D parameters in FP8 (distributed/fsdp.py) when their
+# sharded local tensors carry its all-gather extension by FSDP2's first forward, which looks for
+# it; FSDP2 sets its parameters on a module without a __setattr__ of its own unseen (the FP8
+# layers have one). So until a converted module's own first forward, a global forward pre-hook
+# (which runs before FSDP2's) hands its sharded parameters over: the modules in conversion order
+# (the same on every rank: the recipe agreement is a collective), weakly held.
+_AWAITING: "list[weakref.ref]" = []
+_AWAIT_HOOK = None
+
+
+def _await_sharding(mod: nn.Module) -> None:
+    global _AWAIT_HOOK
+    if not any(ref() is mod for ref in _AWAITING):
+        _AWAITING.append(weakref.ref(mod))
+    if _AWAIT_HOOK is None:
+        _AWAIT_HOOK = nn.modules.module.register_module_forward_pre_hook(_offer_sharded)
+
+
+def _stop_awaiting(mod: Optional[nn.Module]) -> None:
+    """mod's parameters were handed over, or it ran unsharded: no more waiting for it (nor for
+    modules gone); the global hook goes with the last one."""
+    global _AWAIT_HOOK
+    _AWAITING[:] = [ref for ref in _AWAITING if ref() is not None and ref() is not mod]
+    if not _AWAITING and _AWAIT_HOOK is not None:
+        _AWAIT_HOOK.remove()
+        _AWAIT_HOOK = None
+
+
+def _offer_sharded(module: nn.Module, args) -> None:
+    """Before any module's forward: hand the sharded 3-D parameters of the awaiting converted
+    modules to fp8ops.distributed (no DTensor can exist before its module is imported)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or torch.compiler.is_compiling():  # (FSDP2 starts eagerly)
+        return
+    for ref in list(_AWAITING):
+        mod = ref()
+        if mod is None or "fp8_weight_caches" not in mod.__dict__:
+            _stop_awaiting(mod)  # (gone, or restored)
+            continue
+        sharded = {name: getattr(mod, name) for name in mod.fp8_weight_caches}
+        if all(isinstance(p, dtensor.DTensor) for p in sharded.values()):
+            for name, param in sharded.items():
+                on_sharded_experts(mod, name, param)
+            _stop_awaiting(mod)
 
 
 def _has_recipe(mod: nn.Module, recipe) -> bool:
@@ -141,6 +195,8 @@ def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index
     """The experts' forward with FP8 grouped GEMMs: each token's k (token, expert) pairs sorted
     by expert, the up (and gate) projection, the gating, the down projection, the routing
     weights, and each token's k results summed."""
+    if _AWAITING and not torch.compiler.is_compiling():
+        _stop_awaiting(mod)  # (it runs unsharded, or was handed over already)
     tokens, k = top_k_index.shape
     experts = top_k_index.reshape(-1)
     order = torch.argsort(experts, stable=True)  # the pairs sorted by expert
