@@ -105,13 +105,17 @@ def convert_experts(module: nn.Module, recipe,
 # it; FSDP2 sets its parameters on a module without a __setattr__ of its own unseen (the FP8
 # layers have one). So until a converted module's own first forward, a global forward pre-hook
 # (which runs before FSDP2's) hands its sharded parameters over: the modules in conversion order
-# (the same on every rank: the recipe agreement is a collective), weakly held.
+# (the same on every rank: the recipe agreement is a collective), weakly held. Only for modules
+# converted once torch.distributed is initialized (a model converted before
+# init_process_group gathers in high precision).
 _AWAITING: "list[weakref.ref]" = []
 _AWAIT_HOOK = None
 
 
 def _await_sharding(mod: nn.Module) -> None:
     global _AWAIT_HOOK
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return  # no FSDP2 without a process group: no global hook in a single process
     if not any(ref() is mod for ref in _AWAITING):
         _AWAITING.append(weakref.ref(mod))
     if _AWAIT_HOOK is None:
