@@ -469,7 +469,7 @@ def table(results, args, device, ranks):
     backend = fp8ops.backend(device)
     ffn = f"ffn_hidden={LlamaConfig(d_model=args.d_model).ffn_hidden} "
     moe = (f"MoE: {args.experts} experts top-2 per block (router in high precision; experts in "
-           f"FP8 grouped GEMMs with current / blockwise, else high precision) "
+           f"FP8 grouped GEMMs with current / delayed / blockwise, else high precision) "
            if getattr(args, "moe", False) else "")
     head = (("GPT" if args.arch == "gpt" else "Llama-style") + f" d_model={args.d_model} "
             f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") + moe +
