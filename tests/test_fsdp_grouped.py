@@ -6,7 +6,9 @@ With the same batches on every rank the sharded run must be the single-process r
 their own scales and the gathered bytes are the single-process cast. With different batches per
 rank the FP8 gather must equal FSDP2's high-precision gather bit for bit, with a quarter of the
 float32 bytes on the wire. Configurations that split an expert's scale across ranks gather in
-high precision, and say why."""
+high precision, and say why. DelayedScaling experts gather in FP8 too: each rank casts its
+experts with their slice of the weight role's scales, and the ExpertScalingState buffers must be
+the single process's as well (the weight role stepping once per accumulation window)."""
 from __future__ import annotations
 
 import os
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from _comm_count import CommCount  # noqa: E402
 
 RECIPES = {"current": fp8ops.CurrentScaling(), "blockwise": fp8ops.BlockwiseScaling()}
+DELAYED = fp8ops.DelayedScaling(amax_history_len=4)
 STEPS, MICRO = 3, 2
 # tokens per expert (an empty expert among them); 3 experts: uneven over 2 ranks
 SIZES = {4: [5, 0, 12, 7], 3: [5, 12, 7]}
@@ -81,6 +84,15 @@ def train(model, rank=0, experts=4, steps=STEPS, on_step=None):
         if on_step is not None:
             on_step(step)
     return losses
+
+
+def evaluate(model):
+    """A forward in eval mode (casts with the trained scales, records nothing)."""
+    model.eval()
+    with torch.no_grad():
+        x, offsets, _ = batch(9, 0)
+        model(x, offsets)
+    model.train()
 
 
 def full_state(model):
@@ -168,6 +180,24 @@ def _rank_data_worker(rank, out_dir):
     return res
 
 
+def _delayed_worker(rank, out_dir):
+    recipe = DELAYED
+    res = {}
+    for reshard in (True, False):
+        res["same", reshard] = run(shard(make_model(recipe), reshard))
+    res["ranks"] = run(shard(make_model(recipe)), rank)  # each rank its own batches
+    for reshard in (True, False):  # an eval forward before each step's first micro-batch
+        model = shard(make_model(recipe), reshard)
+        res["eval", reshard] = {"losses": train(model, on_step=lambda step: evaluate(model)),
+                                "state": full_state(model)}
+    model = shard(make_model(recipe), reshard_after_forward=False)
+    x, offsets, _ = batch(0, 0, rank)
+    model(x, offsets)
+    res["gathered"] = [(type(layer.weight).__name__, layer.weight._data.dtype)
+                       for layer in (model.up, model.down)]
+    return res
+
+
 def _world1_worker(rank, out_dir):
     return {name: run(shard(make_model(recipe))) for name, recipe in RECIPES.items()}
 
@@ -183,6 +213,10 @@ def single():
     torch.set_num_threads(1)
     try:
         out = {name: run_single(make_model(recipe)) for name, recipe in RECIPES.items()}
+        out["delayed"] = run_single(make_model(DELAYED))
+        model = make_model(DELAYED)
+        out["delayed_eval"] = {"losses": train(model, on_step=lambda step: evaluate(model)),
+                               "state": full_state(model)}
         out["uneven"] = run_single(make_model(RECIPES["current"], experts=3), experts=3)
     finally:
         torch.set_num_threads(threads)
@@ -203,6 +237,11 @@ def _assert_same(got, want, what):
 @pytest.fixture(scope="module")
 def same_data():
     return spawn(_same_data_worker, world=2)
+
+
+@pytest.fixture(scope="module")
+def delayed():
+    return spawn(_delayed_worker, world=2)
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +313,35 @@ def test_grouped_checkpoint_holds_plain_tensors_and_loads(rank_data):
         for k, v in want.items():
             assert torch.equal(got[k], v), k
         assert res["after_load"][0] == res["after_load"][1]
+
+
+def test_delayed_grouped_fp8_all_gather_trains_as_one_process(delayed, single):
+    # the weight role steps once per accumulation window, each rank casting its experts with
+    # their slice of the scales; the states (every buffer) are the single process's
+    for rank, res in enumerate(delayed):
+        for reshard in (True, False):
+            got = res["same", reshard]
+            assert got["kinds"] == ["FP8WeightShard"] * 2, got["kinds"]
+            assert any(".fp8_state.weight.amax_history" in k for k in got["state"])
+            _assert_same(got, single["delayed"], (rank, "delayed", reshard))
+
+
+def test_delayed_grouped_fp8_all_gather_with_eval_forwards(delayed, single):
+    # an eval forward's gather does not step; the next training forward steps as one process
+    for rank, res in enumerate(delayed):
+        for reshard in (True, False):
+            _assert_same(res["eval", reshard], single["delayed_eval"], (rank, "eval", reshard))
+
+
+def test_delayed_grouped_states_agree_across_ranks(delayed):
+    # each rank its own batches: every rank's experts' amaxes are folded in on every rank
+    a, b = (res["ranks"]["state"] for res in delayed)
+    states = [k for k in a if ".fp8_state." in k]
+    assert states and all(torch.equal(a[k], b[k]) for k in states)
+    assert a["up.fp8_state.weight.step"].tolist() == [STEPS] * 4
+    assert delayed[0]["ranks"]["losses"] != delayed[1]["ranks"]["losses"]
+
+
+def test_delayed_grouped_all_gather_carries_fp8(delayed):
+    for res in delayed:
+        assert res["gathered"] == [("FP8GatheredWeight", torch.float8_e4m3fn)] * 2

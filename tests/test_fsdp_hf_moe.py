@@ -4,7 +4,8 @@ fp8ops/distributed/fsdp.py), on gloo with 2 CPU processes: a tiny Mixtral built 
 
 With the same batches on every rank the sharded run must be the single-process run bit for bit
 (losses and parameters): FSDP2 shards the experts (dim 0), each rank casts its whole experts and
-the gathered bytes are the single-process cast. The experts' 3-D parameters must really travel
+the gathered bytes are the single-process cast (with DelayedScaling, the experts' delayed-scaling
+states too). The experts' 3-D parameters must really travel
 in FP8, and checkpoints must hold plain tensors."""
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from _comm_count import CommCount  # noqa: E402
 
 transformers.logging.set_verbosity_error()
-RECIPES = {"current": fp8ops.CurrentScaling(), "blockwise": fp8ops.BlockwiseScaling()}
+RECIPES = {"current": fp8ops.CurrentScaling(), "blockwise": fp8ops.BlockwiseScaling(),
+           "delayed": fp8ops.DelayedScaling(amax_history_len=4)}
 VOCAB, SEQ, STEPS, MICRO = 64, 16, 3, 2
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -94,11 +96,12 @@ def _worker(rank, out_dir):
         res[name] = {"losses": train(model), "state": full_state(model),
                      "kinds": local_kinds(model)}
     # what the experts compute with: the gathered FP8 bytes
-    model = shard(make_model(RECIPES["current"]), reshard_after_forward=False)
-    model(**batch(0, 0))
-    res["gathered"] = [(type(getattr(mod, name)).__name__,
-                        getattr(mod, name).expert_payload()[0].dtype)
-                       for mod in experts_modules(model) for name in EXPERT_PARAMS]
+    for name in ("current", "delayed"):
+        model = shard(make_model(RECIPES[name]), reshard_after_forward=False)
+        model(**batch(0, 0))
+        res["gathered", name] = [(type(getattr(mod, p)).__name__,
+                                  getattr(mod, p).expert_payload()[0].dtype)
+                                 for mod in experts_modules(model) for p in EXPERT_PARAMS]
     # the bytes of one more step's gathers, FP8 and high precision
     for fp8 in (True, False):
         model = shard(make_model(RECIPES["current"], fp8_all_gather=fp8))
@@ -145,13 +148,17 @@ def test_hf_experts_fp8_all_gather_trains_as_one_process(sharded, single, name):
         assert got["kinds"] == ["FP8WeightShard"] * 4, (rank, name, got["kinds"])
         assert got["losses"] == want["losses"], (rank, name, got["losses"], want["losses"])
         assert got["state"].keys() == want["state"].keys()
+        if name == "delayed":  # the experts' delayed-scaling states are compared too
+            assert any(".experts.fp8_state.gate_up_proj.weight.amax_history" in k
+                       for k in want["state"]), list(want["state"])
         for k, v in want["state"].items():
             assert torch.equal(got["state"][k], v), (rank, name, k)
 
 
 def test_hf_experts_all_gather_carries_fp8(sharded):
     for res in sharded:
-        assert res["gathered"] == [("FP8GatheredWeight", torch.float8_e4m3fn)] * 4
+        for name in ("current", "delayed"):
+            assert res["gathered", name] == [("FP8GatheredWeight", torch.float8_e4m3fn)] * 4
         assert res["kinds", True] == ["FP8WeightShard"] * 4
         assert res["kinds", False] == ["Tensor"] * 4
         # float32 experts: a quarter of their bytes (the dense layers gather in FP8 either way)

@@ -12,18 +12,21 @@ single-process training:
     re-gathers) reuses that scale;
   - BlockwiseScaling: 128x128 blocks are row-local when every shard has whole blocks (rows a
     multiple of 128, even shards): cast locally, gather data and block scales, no all-reduce.
-  - experts [E, out, in] (current scaling, a scale per expert; blockwise, 128x128 blocks per
-    expert): a 3-D expert parameter with its own recipe and WeightCache (ExpertParameter: an
-    FP8GroupedLinear's weight, a converted transformers experts module's gate_up_proj / up_proj
-    / down_proj). FSDP2 shards dim 0, so each rank holds whole experts and casts them as the
-    unsharded layer does, no all-reduce; data and per-expert scales are gathered. The shard's
-    cast is kept in the parameter's WeightCache (source: the sharded parameter) and reused under
-    its rule: once per optimizer step. Experts that do not split evenly over the ranks (FSDP2
-    then takes no scales beside the padded shard's bytes), placements other than Shard(0) (an
-    expert split over ranks), experts stored [E, in, out] and delayed scaling (its shard casts
-    would need the role's [E] scales sliced and 0 recorded for the experts elsewhere: not built)
-    gather in high precision, logged once per parameter with the reason
-    (experts_gather_refusal).
+  - experts [E, out, in] (current and delayed scaling, a scale per expert; blockwise, 128x128
+    blocks per expert): a 3-D expert parameter with its own recipe and WeightCache
+    (ExpertParameter: an FP8GroupedLinear's weight, a converted transformers experts module's
+    gate_up_proj / up_proj / down_proj). FSDP2 shards dim 0, so each rank holds whole experts
+    and casts them as the unsharded layer does, no all-reduce; data and per-expert scales are
+    gathered. The shard's cast is kept in the parameter's WeightCache (source: the sharded
+    parameter) and reused under its rule: once per optimizer step. Delayed scaling steps the
+    experts' weight role when that cache opens a window, as the unsharded layer's does (every
+    rank alike: their states are identical), and casts the rank's experts with their slice of
+    the role's [E] scales; the warm start's and the records' amaxes are [E] with 0 for the
+    experts held elsewhere, folded over the ranks by a MAX all-reduce (the record's: the
+    backward's one, amax_reduction). Experts that do not split evenly over the ranks (FSDP2 then
+    takes no scales beside the padded shard's bytes), placements other than Shard(0) (an expert
+    split over ranks) and experts stored [E, in, out] gather in high precision, logged once per
+    parameter with the reason (experts_gather_refusal).
 Everything else gathers the weight in high precision, as without this module: MXFP8 (its dgrad
 copy is blocked along N, across shards; gathering both FP8 copies moves as many bytes as bf16),
 a blockwise shard boundary inside a block, CurrentScaling with amax_percentile (a percentile is
@@ -53,7 +56,8 @@ from torch.utils._pytree import tree_map_only
 from ..nn.autograd import in_recompute
 from ..nn.functional import linear
 from ..nn.grouped import FP8GroupedLinear
-from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
+                                quantize_experts_scaled)
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, current_scale,
                        recipe_formats, weight_cache)
 from .amax import all_reduce_amax
@@ -123,14 +127,17 @@ def experts_gather_refusal(layer, dtensor: DTensor) -> Optional[str]:
     """Why FSDP2 cannot gather these experts [E, out, in] in FP8 (an FP8GroupedLinear's weight
     or an ExpertParameter; None: it can). The experts' scales (one per expert, or 128x128
     blocks per expert) are computed on the rank that holds the expert whole, which FSDP2's
-    default Shard(0) gives: no all-reduce."""
+    default Shard(0) gives: no all-reduce (delayed scaling: the role's scales, the same on every
+    rank; only its warm start and records all-reduce amaxes)."""
     layer = _target(layer)
     if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
         return (f"the weight is placed {tuple(dtensor.placements)} on a {dtensor.device_mesh.ndim}"
                 f"-D mesh, not Shard(0) (whole experts per rank) on a 1-D one: an expert split "
                 f"over ranks would need its scale from every piece")
-    if not isinstance(layer.recipe, (CurrentScaling, BlockwiseScaling)):
+    if not isinstance(layer.recipe, (CurrentScaling, BlockwiseScaling, DelayedScaling)):
         return f"{type(layer.recipe).__name__} has no FP8 gather for experts"
+    if isinstance(layer.recipe, DelayedScaling) and layer.state is None:
+        return "the delayed-scaling experts have no ExpertScalingState of their recipe yet"
     if layer.transposed:
         return ("the experts are stored [E, in, out] (is_transposed): the gathered FP8 bytes "
                 "would be read through a transposed view")
@@ -168,6 +175,19 @@ class ExpertParameter:
         if isinstance(module, FP8GroupedLinear):
             return module.weight_cache
         return module.__dict__["fp8_weight_caches"][self.name]
+
+    @property
+    def state(self):
+        """The experts' ExpertScalingState (DelayedScaling; None otherwise, or while the module
+        has none of its recipe)."""
+        module = self.module
+        states = module._modules.get("fp8_state")
+        if states is not None and not isinstance(module, FP8GroupedLinear):
+            states = states[self.name] if self.name in states else None
+        recipe = self.recipe
+        if states is None or not isinstance(recipe, DelayedScaling) or states.recipe != recipe:
+            return None
+        return states
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -288,7 +308,7 @@ class FP8WeightShard(torch.Tensor):
         recipe = layer.recipe
         fwd, _ = recipe_formats(recipe)
         if _is_experts(layer):
-            kind, data, scale_inv = _experts_shard_cast(layer, self._data, dtype)
+            kind, data, scale_inv = _experts_shard_cast(layer, self._data, dtype, mesh)
             return _with_scales(data, scale_inv, mesh), (kind, fwd.dtype,
                                                          tuple(scale_inv.shape[1:]))
         if isinstance(recipe, BlockwiseScaling):
@@ -373,12 +393,17 @@ class FP8GatheredWeight(torch.Tensor):
                                 for data, scale_inv in zip(self._data, self._scales)])
         return _ops.dequantize_blockwise(self._data, self._scales, BLOCK, BLOCK, self.dtype)
 
-    def expert_payload(self, cache=None) -> tuple:
-        """The experts' cast as FP8GroupedLinear's Functions take it: current scaling (data,
-        data^T, scale_inv), blockwise (data, scale_inv, data^T, scale_inv^T). The transposed
-        copies are made here, after the gather (gathering them too would double the bytes).
-        cache: the layer's WeightCache, whose shard cast this forward uses: the backward's
-        gradient then vouches for it (the next micro-batch's gathers reuse it)."""
+    def expert_payload(self, cache=None, live: bool = False) -> tuple:
+        """The experts' cast as FP8GroupedLinear's Functions take it: current and delayed
+        scaling (data, data^T, scale_inv), blockwise (data, scale_inv, data^T, scale_inv^T). The
+        transposed copies are made here, after the gather (gathering them too would double the
+        bytes). cache: the layer's WeightCache, whose shard cast this forward uses: the
+        backward's gradient then vouches for it (the next micro-batch's gathers reuse it).
+        live: a forward that steps delayed scaling; bytes gathered by a forward that did not
+        step it (FSDP2 without reshard_after_forward keeps an eval forward's gather) are cast
+        again, stepping, as the unsharded layer would (_expert_recast)."""
+        if live and cache is not None and not _stepped_cast(cache):
+            return self._expert_recast(cache)
         if cache is not None and cache.entry is not None:
             cache.consume(weight_cache.leaf(self), False)
         data = self._data.contiguous()
@@ -387,6 +412,22 @@ class FP8GatheredWeight(torch.Tensor):
         if self._kind == "experts":
             return data, data_t, self._scales
         return data, self._scales, data_t, self._scales.transpose(1, 2)
+
+    def _expert_recast(self, cache) -> tuple:
+        """expert_payload of a live forward whose gathered bytes did not step: this rank's
+        shard cast again through the cache (stepping and recording, as the unsharded layer's
+        forward would), and the weight, all-gathered in high precision, cast with the window's
+        scales [E] (the bytes FSDP2's next gather brings)."""
+        source = cache.source_tensor()
+        shard = source._local_tensor
+        layer = shard._layer()
+        _experts_shard_cast(layer, shard._data, self.dtype, source.device_mesh)
+        scale = cache.entry.scale
+        values = source.full_tensor().to(self.dtype)
+        fwd, _ = recipe_formats(layer.recipe)
+        data, data_t, _ = quantize_experts_scaled(values, scale, fwd.dtype)
+        cache.consume(weight_cache.leaf(self), False)
+        return data, data_t, torch.reciprocal(scale)
 
     def fp8_payload(self, state=None, live: bool = False):
         """What the layer's weight cast would return: per-tensor (data, data^T, scale_inv,
@@ -433,30 +474,98 @@ def _with_scales(data: torch.Tensor, scale_inv: torch.Tensor, mesh) -> tuple:
     return data.view(torch.uint8), scale_inv
 
 
-def _experts_shard_cast(layer, shard: torch.Tensor, dtype: torch.dtype) -> tuple:
+def _experts_shard_cast(layer, shard: torch.Tensor, dtype: torch.dtype, mesh) -> tuple:
     """(kind, data, scale_inv) of this rank's experts, rounded to the gather's dtype and cast
     each on its own as the unsharded layer casts them (whole experts: their scales are local).
     Cast once per optimizer step under the weight cache's rule, with FSDP2's sharded parameter
     as the values' source: every gather of the window (micro-batches, backward re-gathers) takes
     the same bytes. A backward's re-gather needs the key alone: nothing may change a weight
-    between a forward and its backward."""
+    between a forward and its backward. Delayed scaling steps the weight role when the cache
+    says the unsharded layer would (a training forward opening a window): the same decision on
+    every rank, whose states are identical."""
     cache, recipe = layer.weight_cache, layer.recipe
     made_for = (recipe, dtype)
-
-    def cast(_, step, scale):  # (weight_cache.Cast: no delayed scaling, so no step, no scale)
-        return (made_for, _cast_expert_values(shard.to(dtype), recipe)), None
+    backward = torch._C._current_graph_task_id() != -1
+    if isinstance(recipe, DelayedScaling):
+        held = _held_experts(shard, mesh)
+        cast = _delayed_shard_cast(layer.state, recipe, shard, dtype, held, made_for)
+        live = not backward and layer.module.training and not in_recompute()
+    else:
+        def cast(_, step, scale):  # (weight_cache.Cast: no delayed scaling: no step, no scale)
+            return (made_for, _cast_expert_values(shard.to(dtype), recipe)), None
+        live = False
 
     stored = _stored_shard(cache, shard)
-    backward = torch._C._current_graph_task_id() != -1
     trust = weight_cache.KEY if backward else cache.trust
     with torch.no_grad():
-        made, payload = cache.get(stored, cast, live=False, trust=trust,
+        made, payload = cache.get(stored, cast, live=live, trust=trust,
                                   source=cache.source_tensor())
         if made != made_for:  # the recipe or the gather's dtype changed since that cast
             cache.invalidate()
-            made, payload = cache.get(stored, cast, live=False, trust=trust,
+            made, payload = cache.get(stored, cast, live=live, trust=trust,
                                       source=cache.source_tensor())
     return payload
+
+
+def _held_experts(shard: torch.Tensor, mesh) -> slice:
+    """The experts of the whole weight this rank's shard holds (Shard(0), split evenly)."""
+    start = mesh.get_local_rank() * shard.shape[0]
+    return slice(start, start + shard.shape[0])
+
+
+def _delayed_shard_cast(state, recipe, shard: torch.Tensor, dtype: torch.dtype, held: slice,
+                        made_for):
+    """weight_cache.Cast of delayed-scaling experts on this rank's shard: the grouped layer's
+    (_delayed_expert_cast) with the scales [E] of the whole weight, of which the shard takes its
+    experts' slice. The role's scales are the same on every rank (their records are all-reduced),
+    so the cache keeps (and a checkpoint saves) the whole [E]. Experts held elsewhere add 0 to the
+    warm start's and the record's amaxes: the MAX over the ranks is each expert's own amax."""
+    fwd, _ = recipe_formats(recipe)
+    role = state.weight
+
+    def whole(amax):  # (on the state's device: with FSDP2's CPUOffloadPolicy the shard is not)
+        return _spread(amax.to(role.pending_amax.device), held, state.num_experts)
+
+    def cast(_, step, scale):
+        values = shard.to(dtype)
+        if scale is None:
+            if step:
+                state.step_role("weight", recipe, fwd, recipe.margin)
+            scale = (role.scale.clone() if role.started else
+                     role.warm_scale(whole(_expert_amax(values, fwd.dtype)), fwd,
+                                     recipe.margin, recipe))
+        mine = scale[held].to(values.device)
+        data, amax = _cast_experts_scaled(values, mine, fwd.dtype)
+        if step:  # recorded on this rank: the backward's one all-reduce folds the ranks in
+            state.record_role("weight", whole(amax))
+            role.started = True
+        return (made_for, ("experts", data, torch.reciprocal(mine))), scale
+    return cast
+
+
+def _expert_amax(values: torch.Tensor, fp8_dtype) -> torch.Tensor:
+    """Each expert's amax [E_shard], float32 (a cast's with scale 1: bytes unused, once)."""
+    ones = torch.ones(values.shape[0], dtype=torch.float32, device=values.device)
+    return _cast_experts_scaled(values, ones, fp8_dtype)[1]
+
+
+def _cast_experts_scaled(values: torch.Tensor, scale: torch.Tensor, fp8_dtype) -> tuple:
+    """(data [E, N, K], amax [E]) of each expert cast with its scale, as quantize_experts_scaled
+    casts them, without the transposed copies (made after the gather)."""
+    if values.shape[0] == 0:
+        return (torch.empty(values.shape, dtype=fp8_dtype, device=values.device),
+                torch.zeros(0, dtype=torch.float32, device=values.device))
+    casts = [_ops.quantize(values[g], scale[g], fp8_dtype, False)
+             for g in range(values.shape[0])]
+    return (torch.stack([c[0] for c in casts]), torch.stack([c[2].float() for c in casts]))
+
+
+def _spread(amax: torch.Tensor, held: slice, experts: int) -> torch.Tensor:
+    """This rank's experts' amax in the whole weight's [E], 0 for the experts held elsewhere
+    (the identity of a MAX over amaxes)."""
+    whole = amax.new_zeros(experts)
+    whole[held] = amax
+    return whole
 
 
 def _stored_shard(cache, shard: torch.Tensor) -> torch.Tensor:
@@ -478,6 +587,13 @@ def _cast_expert_values(values: torch.Tensor, recipe) -> tuple:
     data, _, _, scale_inv = quantize_experts_current(values, fwd.dtype, recipe.margin,
                                                      recipe.power_of_two)
     return "experts", data, scale_inv
+
+
+def _stepped_cast(cache) -> bool:
+    """Whether the cache's shard cast is one a training forward stepped delayed scaling for,
+    of the weight's current values."""
+    entry = cache.entry
+    return entry is not None and entry.stepped and entry.generation == cache.value
 
 
 def _scales_follow(w: "FP8GatheredWeight", func, data: torch.Tensor) -> bool:

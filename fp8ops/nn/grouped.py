@@ -33,7 +33,8 @@ that ran every rank's tokens (an expert given no tokens on one rank takes the ot
 Under FSDP2 (fully_shard) FP8GroupedLinear's weight, and a converted transformers experts
 module's 3-D parameters, are gathered in FP8 (distributed/fsdp.py): each rank casts its whole
 experts, the gathered bytes and scales come as the weight, and the grouped GEMMs take them as
-they are (current and blockwise scaling; delayed scaling gathers in high precision).
+they are (current, delayed and blockwise scaling; delayed scaling steps and records as the
+unsharded layer does, each rank casting its experts with their slice of the role's scales).
 Not here yet: MXFP8 and stochastic rounding.
 """
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
     live = state is not None and steps_state(state)
     with torch.no_grad():
         if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp.py)
-            return weight.expert_payload(cache)
+            return weight.expert_payload(cache, live)
         if (cache is None or torch.compiler.is_compiling()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
             return cast(weight, live, None)[0][1]

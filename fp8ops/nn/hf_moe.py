@@ -21,9 +21,9 @@ parameter also has its experts' delayed-scaling state, an ExpertScalingState in 
 are in the module's state_dict under `fp8_state.`, as an FP8Linear's are (plain_state_dict
 leaves them out), and follow the module's device moves. Casts record in training mode only.
 Under FSDP2 (fully_shard after the conversion, before the first forward) the 3-D parameters are
-gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current and blockwise
-scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts module
-before its first forward to gather them in high precision.
+gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current, delayed and
+blockwise scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts
+module before its first forward to gather them in high precision.
 """
 from __future__ import annotations
 
