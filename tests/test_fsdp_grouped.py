@@ -186,6 +186,8 @@ def _delayed_worker(rank, out_dir):
     for reshard in (True, False):
         res["same", reshard] = run(shard(make_model(recipe), reshard))
     res["ranks"] = run(shard(make_model(recipe)), rank)  # each rank its own batches
+    for reshard in (True, False):  # the high-precision gather
+        res["hp", reshard] = run(shard(make_model(recipe, fp8_all_gather=False), reshard))
     for reshard in (True, False):  # an eval forward before each step's first micro-batch
         model = shard(make_model(recipe), reshard)
         res["eval", reshard] = {"losses": train(model, on_step=lambda step: evaluate(model)),
@@ -324,6 +326,16 @@ def test_delayed_grouped_fp8_all_gather_trains_as_one_process(delayed, single):
             assert got["kinds"] == ["FP8WeightShard"] * 2, got["kinds"]
             assert any(".fp8_state.weight.amax_history" in k for k in got["state"])
             _assert_same(got, single["delayed"], (rank, "delayed", reshard))
+
+
+def test_delayed_grouped_high_precision_gather_trains_as_one_process(delayed, single):
+    # the gathered full weight is a new tensor every forward: the cache follows FSDP2's sharded
+    # parameter (what the optimizer holds), so the weight role still steps once per window
+    for rank, res in enumerate(delayed):
+        for reshard in (True, False):
+            got = res["hp", reshard]
+            assert got["kinds"] == ["Tensor"] * 2, got["kinds"]
+            _assert_same(got, single["delayed"], (rank, "delayed, high precision", reshard))
 
 
 def test_delayed_grouped_fp8_all_gather_with_eval_forwards(delayed, single):

@@ -31,6 +31,8 @@ def on_sharded_weight(layer, dtensor) -> None:
     from . import fsdp
     if fsdp.gathers_fp8(layer, dtensor):
         fsdp.install(layer, dtensor)
+    else:
+        fsdp.follow_shard(layer, dtensor)
 
 
 def on_sharded_experts(module, name: str, dtensor) -> None:

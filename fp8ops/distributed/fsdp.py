@@ -240,6 +240,18 @@ def _is_experts(layer) -> bool:
     return isinstance(layer, ExpertParameter)
 
 
+def follow_shard(layer, dtensor: DTensor) -> None:
+    """Experts gathered in high precision: their cache still reads its values from FSDP2's
+    sharded parameter, which the optimizer holds. The gathered full weight is a tensor of its
+    own at every forward; without this, no optimizer would vouch for a cast of it, every
+    micro-batch would cast anew and a delayed-scaling weight role would step each time, where
+    one process steps once per accumulation window. (The dense layers follow theirs in their
+    __setattr__.)"""
+    layer = _target(layer)
+    if _is_experts(layer):
+        _follow_source(layer.weight_cache, dtensor)
+
+
 def _follow_source(cache, dtensor: DTensor) -> None:
     """The experts' cache reads its values from FSDP2's sharded parameter: an optimizer step over
     it ends a cast (the dense layers do this in their __setattr__)."""

@@ -51,7 +51,7 @@ from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_cur
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
                        grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
-from ..scaling.weight_cache import GRADIENT, KEY
+from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
 from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype,
                        steps_state, takes_warm_scale, weight_grad)
 from .functional import check_operands
@@ -85,10 +85,18 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
             return cast(weight, live, None)[0][1]
         # a delayed recompute (activation checkpointing) reuses its forward's cast on the key
         trust = KEY if state is not None and in_recompute() else GRADIENT
-        made, tensors = cache.get(weight, cast, live=live, trust=trust)
+        source = cache.source_tensor()
+        if source is not None and source is not weight:
+            # FSDP2's full weight gathered in high precision: its values change with the sharded
+            # parameter (the key's source), and a backward since the cast vouches for it, as for
+            # a dense layer (ScalingState.cached_weight)
+            trust = max(trust, BACKWARD)
+        else:
+            source = None
+        made, tensors = cache.get(weight, cast, live=live, trust=trust, source=source)
         if made != recipe:  # the layer's recipe changed since that cast
             cache.invalidate()
-            made, tensors = cache.get(weight, cast, live=live, trust=trust)
+            made, tensors = cache.get(weight, cast, live=live, trust=trust, source=source)
         return tensors
 
 
