@@ -194,6 +194,26 @@ def _vouch_grad(cache: Optional[WeightCache], dw) -> None:
         cache.expect_grad()
 
 
+def _per_tensor_grads(ctx, saved: tuple, dy: torch.Tensor, grad_cast: tuple,
+                      x_dtype: torch.dtype) -> tuple:
+    """(dx, dw, db) of a per-tensor recipe's backward (current or delayed) from dY's grouped
+    cast (data, transposed data, scale_inv [E]) and the tensors its forward saved (unpacked
+    once by the caller: activation checkpointing allows no second unpack)."""
+    xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias = saved
+    gq, gq_t, g_scale_inv = grad_cast
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx = dw = db = None
+    if need_dx:
+        dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
+    if need_dw:
+        dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
+            gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
+        _vouch_grad(ctx.cache, dw)
+    if need_db and bias is not None:
+        db = _bias_grad(dy, offsets, bias)
+    return dx, dw, db
+
+
 class GroupedLinearCurrent(torch.autograd.Function):
     """Current scaling: one scale per group of X and dY, one per expert of W."""
 
@@ -213,22 +233,14 @@ class GroupedLinearCurrent(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dy):
-        xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        offsets = saved[4]
         bwd, margin, p2, x_dtype = ctx.meta
         dy = dy.contiguous()
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         gq, gq_t, _, g_scale_inv = _ops.quantize_current_grouped(dy, offsets, bwd.dtype, margin,
-                                                                 p2, need_dw)
-        dx = dw = db = None
-        if need_dx:
-            dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
-        if need_dw:
-            dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
-                gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
-            _vouch_grad(ctx.cache, dw)
-        if need_db and bias is not None:
-            db = _bias_grad(dy, offsets, bias)
-        return dx, dw, db, None, None, None, None, None
+                                                                 p2, ctx.needs_input_grad[1])
+        grads = _per_tensor_grads(ctx, saved, dy, (gq, gq_t, g_scale_inv), x_dtype)
+        return (*grads, None, None, None, None, None)
 
 
 class GroupedLinearBlockwise(torch.autograd.Function):
@@ -284,31 +296,23 @@ class GroupedLinearDelayed(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dy):
-        xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        offsets = saved[4]
         recipe, x_dtype, grad_warm = ctx.meta
         state = ctx.state
         _, bwd = recipe_formats(recipe)
         dy = dy.contiguous()
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         stepping = state.recording
         gq, gq_t, g_scale_inv = _cast_rows(dy, offsets, state, "grad", bwd, recipe,
                                            grad_margin(recipe), update=stepping, warm=grad_warm,
-                                           record=stepping, transpose=need_dw)
+                                           record=stepping, transpose=ctx.needs_input_grad[1])
         if stepping and not torch.compiler.is_compiling():
             state.grad.started = True  # (also for a forward that ran under no_grad)
         # the step's all-reduce: one for every delayed-scaling layer at the end of the backward
         if stepping and state.needs_reduce() and not amax_reduction.defer(state):
             state.reduce_records()
-        dx = dw = db = None
-        if need_dx:
-            dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
-        if need_dw:
-            dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
-                gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
-            _vouch_grad(ctx.cache, dw)
-        if need_db and bias is not None:
-            db = _bias_grad(dy, offsets, bias)
-        return dx, dw, db, None, None, None, None, None, None, None
+        grads = _per_tensor_grads(ctx, saved, dy, (gq, gq_t, g_scale_inv), x_dtype)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
