@@ -346,6 +346,21 @@ def test_expert_casts_are_the_dense_casts_per_expert():
             _same(got, want)
     with pytest.raises(ValueError, match="one per expert"):
         quantize_experts_scaled(w, torch.ones(2), E5)
+    # without the transposed copies (an FSDP2 shard's cast): the same bytes, scales and amaxes
+    from fp8ops.ops.expert_casts import experts_amax, transpose_experts
+    nd, nd_t, n_scale, n_scale_inv = quantize_experts_current(w, E4, 1.0, False, transpose=False)
+    for got, want in ((nd, data), (n_scale, scale), (n_scale_inv, scale_inv)):
+        _same(got, want)
+    nb, nbs, nb_t, _ = quantize_experts_blockwise(w, E4, True, transpose=False)
+    _same(nb, bd)
+    _same(nbs, bs)
+    ns, ns_t, n_amax = quantize_experts_scaled(w, given, E5, transpose=False)
+    _same(ns, sd)
+    _same(n_amax, amax)
+    assert nd_t.numel() == nb_t.numel() == ns_t.numel() == 0
+    _same(experts_amax(w), amax)
+    _same(transpose_experts(data), data_t)
+    _same(transpose_experts(bd), bd_t)
 
 
 # ----------------------------------------------------------------------------------------------

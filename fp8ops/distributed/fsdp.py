@@ -56,8 +56,9 @@ from torch.utils._pytree import tree_map_only
 from ..nn.autograd import in_recompute
 from ..nn.functional import linear
 from ..nn.grouped import FP8GroupedLinear
-from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
-                                quantize_experts_scaled)
+from ..ops.expert_casts import (experts_amax, quantize_experts_blockwise,
+                                quantize_experts_current, quantize_experts_scaled,
+                                transpose_experts)
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, current_scale,
                        recipe_formats, weight_cache)
 from .amax import all_reduce_amax
@@ -419,8 +420,7 @@ class FP8GatheredWeight(torch.Tensor):
         if cache is not None and cache.entry is not None:
             cache.consume(weight_cache.leaf(self), False)
         data = self._data.contiguous()
-        data_t = torch.stack([_ops.transpose_fp8(expert) for expert in data]) if len(data) \
-            else data.transpose(1, 2).contiguous()
+        data_t = transpose_experts(data)
         if self._kind == "experts":
             return data, data_t, self._scales
         return data, self._scales, data_t, self._scales.transpose(1, 2)
@@ -544,32 +544,14 @@ def _delayed_shard_cast(state, recipe, shard: torch.Tensor, dtype: torch.dtype, 
             if step:
                 state.step_role("weight", recipe, fwd, recipe.margin)
             scale = (role.scale.clone() if role.started else
-                     role.warm_scale(whole(_expert_amax(values, fwd.dtype)), fwd,
-                                     recipe.margin, recipe))
+                     role.warm_scale(whole(experts_amax(values)), fwd, recipe.margin, recipe))
         mine = scale[held].to(values.device)
-        data, amax = _cast_experts_scaled(values, mine, fwd.dtype)
+        data, _, amax = quantize_experts_scaled(values, mine, fwd.dtype, transpose=False)
         if step:  # recorded on this rank: the backward's one all-reduce folds the ranks in
             state.record_role("weight", whole(amax))
             role.started = True
         return (made_for, ("experts", data, torch.reciprocal(mine))), scale
     return cast
-
-
-def _expert_amax(values: torch.Tensor, fp8_dtype) -> torch.Tensor:
-    """Each expert's amax [E_shard], float32 (a cast's with scale 1: bytes unused, once)."""
-    ones = torch.ones(values.shape[0], dtype=torch.float32, device=values.device)
-    return _cast_experts_scaled(values, ones, fp8_dtype)[1]
-
-
-def _cast_experts_scaled(values: torch.Tensor, scale: torch.Tensor, fp8_dtype) -> tuple:
-    """(data [E, N, K], amax [E]) of each expert cast with its scale, as quantize_experts_scaled
-    casts them, without the transposed copies (made after the gather)."""
-    if values.shape[0] == 0:
-        return (torch.empty(values.shape, dtype=fp8_dtype, device=values.device),
-                torch.zeros(0, dtype=torch.float32, device=values.device))
-    casts = [_ops.quantize(values[g], scale[g], fp8_dtype, False)
-             for g in range(values.shape[0])]
-    return (torch.stack([c[0] for c in casts]), torch.stack([c[2].float() for c in casts]))
 
 
 def _spread(amax: torch.Tensor, held: slice, experts: int) -> torch.Tensor:
@@ -594,10 +576,10 @@ def _cast_expert_values(values: torch.Tensor, recipe) -> tuple:
     fwd, _ = recipe_formats(recipe)
     if isinstance(recipe, BlockwiseScaling):
         data, scale_inv, _, _ = quantize_experts_blockwise(values, fwd.dtype,
-                                                           recipe.power_of_two)
+                                                           recipe.power_of_two, transpose=False)
         return "experts_blockwise", data, scale_inv
     data, _, _, scale_inv = quantize_experts_current(values, fwd.dtype, recipe.margin,
-                                                     recipe.power_of_two)
+                                                     recipe.power_of_two, transpose=False)
     return "experts", data, scale_inv
 
 

@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from ..distributed import amax_reduction, on_weight_set
-from ..ops.expert_casts import (quantize_experts_blockwise, quantize_experts_current,
-                                quantize_experts_scaled)
+from ..ops.expert_casts import (experts_amax, quantize_experts_blockwise,
+                                quantize_experts_current, quantize_experts_scaled)
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
                        grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
@@ -163,9 +163,7 @@ def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:
     yet), over all ranks' weights under torch.distributed (as the dense layer's warm start)."""
     if not _distributed():
         return quantize_experts_current(w, fmt.dtype, recipe.margin, recipe.power_of_two)[2]
-    ones = torch.ones(w.shape[0], dtype=_F32, device=w.device)
-    amax = quantize_experts_scaled(w, ones, fmt.dtype)[2]  # (bytes unused: once per training)
-    return role.warm_scale(amax, fmt, recipe.margin, recipe)
+    return role.warm_scale(experts_amax(w), fmt, recipe.margin, recipe)
 
 
 def _cast_rows(x, offsets, state: ExpertScalingState, name: str, fmt, recipe, margin: float, *,

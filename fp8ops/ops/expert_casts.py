@@ -10,36 +10,40 @@ _ops = torch.ops.fp8ops
 
 
 def quantize_experts_current(w: torch.Tensor, dtype: torch.dtype, margin: float,
-                             power_of_two: bool):
-    """Current scaling, one scale per expert: (data [E, N, K], data^T [E, K, N], scale [E],
-    scale_inv [E])."""
+                             power_of_two: bool, transpose: bool = True):
+    """Current scaling, one scale per expert: (data [E, N, K], data^T [E, K, N] or an empty
+    tensor without `transpose`, scale [E], scale_inv [E])."""
     _need_3d(w)
-    casts = [_ops.quantize_current(w[g], dtype, margin, power_of_two, True)
+    casts = [_ops.quantize_current(w[g], dtype, margin, power_of_two, transpose)
              for g in range(w.shape[0])]
     if not casts:
         return _empty_experts(w, dtype, (0,))
-    return (torch.stack([c[0] for c in casts]), torch.stack([c[1] for c in casts]),
+    return (torch.stack([c[0] for c in casts]), _stacked_t(casts, 1, transpose),
             torch.stack([c[2] for c in casts]), torch.stack([c[3] for c in casts]))
 
 
-def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                            transpose: bool = True):
     """Each expert cast with its given scale (delayed scaling), as the op quantize casts a dense
-    weight: (data [E, N, K], data^T [E, K, N], amax [E] of each expert's values)."""
+    weight: (data [E, N, K], data^T [E, K, N] or an empty tensor without `transpose`, amax [E]
+    of each expert's values)."""
     _need_3d(w)
     if tuple(scale.shape) != (w.shape[0],):
         raise ValueError(f"fp8ops: the experts' scales must have shape ({w.shape[0]},) (one per "
                          f"expert), got {tuple(scale.shape)}")
-    casts = [_ops.quantize(w[g], scale[g], dtype, True) for g in range(w.shape[0])]
+    casts = [_ops.quantize(w[g], scale[g], dtype, transpose) for g in range(w.shape[0])]
     if not casts:
         data, data_t, amax, _ = _empty_experts(w, dtype, (0,))
         return data, data_t, amax
-    return (torch.stack([c[0] for c in casts]), torch.stack([c[1] for c in casts]),
+    return (torch.stack([c[0] for c in casts]), _stacked_t(casts, 1, transpose),
             torch.stack([c[2].float() for c in casts]))
 
 
-def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two: bool):
-    """128x128 blocks per expert: (data [E, N, K], scale_inv [E, Nb, Kb], data^T [E, K, N],
-    scale_inv^T [E, Kb, Nb], the transposed copy's blocks being the same blocks)."""
+def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two: bool,
+                               transpose: bool = True):
+    """128x128 blocks per expert: (data [E, N, K], scale_inv [E, Nb, Kb], data^T [E, K, N]
+    (an empty tensor without `transpose`), scale_inv^T [E, Kb, Nb], the transposed copy's
+    blocks being the same blocks)."""
     _need_3d(w)
     casts = [_ops.quantize_blockwise(w[g], dtype, 128, 128, power_of_two)
              for g in range(w.shape[0])]
@@ -48,8 +52,28 @@ def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two
         return data, scale_inv, data_t, scale_inv
     data = torch.stack([c[0] for c in casts])
     scale_inv = torch.stack([c[1] for c in casts])
-    data_t = torch.stack([_ops.transpose_fp8(c[0]) for c in casts])
+    data_t = transpose_experts(data) if transpose else data.new_empty((0,))
     return data, scale_inv, data_t, scale_inv.transpose(1, 2)
+
+
+def experts_amax(w: torch.Tensor) -> torch.Tensor:
+    """Each expert's amax [E] (float32), the one its cast records (the dense op amax)."""
+    _need_3d(w)
+    if w.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float32, device=w.device)
+    return torch.stack([_ops.amax(expert).float() for expert in w])
+
+
+def transpose_experts(data: torch.Tensor) -> torch.Tensor:
+    """FP8 experts [E, N, K] as [E, K, N], contiguous: one byte copy for all experts."""
+    return data.view(torch.uint8).transpose(1, 2).contiguous().view(data.dtype)
+
+
+def _stacked_t(casts, index: int, transpose: bool) -> torch.Tensor:
+    """The casts' transposed copies stacked, or an empty tensor when none was made."""
+    if not transpose:
+        return casts[0][index].new_empty((0,))
+    return torch.stack([c[index] for c in casts])
 
 
 def _need_3d(w: torch.Tensor) -> None:
