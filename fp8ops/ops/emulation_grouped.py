@@ -271,8 +271,8 @@ def quantize_blockwise_grouped(x: torch.Tensor, offsets: torch.Tensor, dtype: to
     group = row_groups(offsets, M)
     owned = (group < E).unsqueeze(1)
     data, scale_inv = _ops.quantize_blockwise(x, dtype, 1, BLOCK, power_of_two)
-    data = torch.where(owned, data.view(torch.uint8), 0).view(dtype)
-    scale_inv = torch.where(owned, scale_inv, 1.0).contiguous()
+    data.view(torch.uint8).masked_fill_(~owned, 0)  # in place: no second [M, K] buffer
+    scale_inv = scale_inv.contiguous().masked_fill_(~owned, 1.0)
     n_blocks = packed_blocks(M, E)
     block = packed_block_of_rows(offsets, group, n_blocks)
     amax = x.new_zeros(n_blocks + 1, K, dtype=_F32)
