@@ -482,6 +482,49 @@ def test_grouped_linear_under_autocast():
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "delayed"])
+def test_module_under_autocast_with_inputs_already_in_its_dtype(recipe):
+    """An experts layer inside an autocast region, its input already bf16 (the output of an
+    earlier autocast op): autocast refuses to stack FP8 tensors, so the layer's casts must run
+    with it off. The same bytes as the call without autocast, weight cache reused or not."""
+    recipes = dict(RECIPES, delayed=fp8ops.DelayedScaling())
+    torch.manual_seed(0)
+    plain = fp8ops.FP8GroupedLinear(3, 136, 72, recipe=recipes[recipe], dtype=torch.bfloat16)
+    under = fp8ops.FP8GroupedLinear(3, 136, 72, recipe=recipes[recipe], dtype=torch.bfloat16)
+    under.load_state_dict(plain.state_dict())
+    offsets = _offsets([5, 0, 9])
+    for step in range(2):  # the second step reuses nothing: each forward casts the new weight
+        x = torch.randn(14, 136, generator=torch.Generator().manual_seed(step)).bfloat16()
+        y = plain(x, offsets)
+        y.float().square().sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_auto = under(x, offsets)
+        y_auto.float().square().sum().backward()
+        _same(y_auto, y)
+        _same(under.weight.grad, plain.weight.grad)
+        for layer in (plain, under):
+            with torch.no_grad():
+                layer.weight.sub_(0.5 * layer.weight.grad)
+            layer.weight.grad = None
+
+
+@pytest.mark.parametrize("name, args", [
+    ("quantize_experts_current", (torch.float8_e4m3fn, 1.0, False)),
+    ("quantize_experts_scaled", (torch.full((2,), 3.0), torch.float8_e4m3fn)),
+    ("quantize_experts_blockwise", (torch.float8_e4m3fn, False)),
+    ("experts_amax", ())])
+def test_expert_casts_under_autocast(name, args):
+    """FSDP2 casts the experts' shards in its pre-forward hook, inside the user's autocast."""
+    from fp8ops.ops import expert_casts
+    w = torch.randn(2, 130, 140, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = getattr(expert_casts, name)(w, *args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = getattr(expert_casts, name)(w, *args)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for g, x in zip(got, want):
+        _same(g, x)
+
+
 def test_grouped_linear_main_grad():
     x, w, _, dy = _problem([3, 4], torch.bfloat16)
     w.main_grad = torch.ones(w.shape)

@@ -113,6 +113,29 @@ def test_mixtral_trains_close_to_bf16(recipe):
                            .down_proj)
 
 
+@pytest.mark.parametrize("recipe", [None, fp8ops.BlockwiseScaling(), fp8ops.DelayedScaling()],
+                         ids=["current", "blockwise", "delayed"])
+def test_mixtral_trains_under_autocast(recipe):
+    """float32 parameters under bf16 autocast, the usual mixed precision: the experts get bf16
+    activations from the autocast ops before them and train close to the unconverted model."""
+    fp8, ref = _model("mixtral"), _model("mixtral")
+    fp8ops.convert_to_fp8(fp8, recipe)
+    losses = {}
+    for key, model in (("fp8", fp8), ("ref", ref)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(3)
+        losses[key] = []
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**_batch(gen)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[key].append(loss.item())
+    assert losses["fp8"] == pytest.approx(losses["ref"], rel=0.02)
+    assert fp8.model.layers[0].mlp.experts.down_proj.dtype == torch.float32
+
+
 def test_save_pretrained_round_trip_is_exact(tmp_path):
     model = _model("mixtral")
     names = [n for n, _ in model.named_parameters()]

@@ -413,9 +413,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     if weight_cache is not None and torch.compiler.is_compiling():
         weight_cache = None  # (a compiled call casts every time)
     out_dtype = output_dtype(x)
-    if out_dtype == x.dtype:
+    device = x.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state)
-    with torch.autocast(x.device.type, enabled=False):  # the output's dtype is decided
+    # the output's dtype is decided; nothing inside is autocast's to retype (it would refuse to
+    # stack FP8 tensors), also when x already comes in autocast's dtype
+    with torch.autocast(device, enabled=False):
         return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state)
 
 

@@ -1,14 +1,34 @@
 """The casts of a mixture-of-experts weight [E, out, in]: each expert cast on its own, by the
 dense cast ops, so that expert g's bytes are those a dense layer with weight W[g] casts. With the
 row-wise copy [E, out, in] (forward) comes the transposed one [E, in, out] (dgrad's operand).
-The loop is over the experts (a count fixed by the weight's shape), not over data."""
+The loop is over the experts (a count fixed by the weight's shape), not over data.
+
+The casts run with torch.autocast off: its type promotion knows no FP8 and refuses to stack the
+experts' bytes, and nothing here is autocast's to retype (the ops' arithmetic is their
+definition). They run under it when a converted experts module is called, or gathered by FSDP2,
+inside the user's autocast region."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
 _ops = torch.ops.fp8ops
+_AUTOCAST_DEVICES = ("cuda", "cpu")  # torch.is_autocast_enabled raises for other device types
 
 
+def _outside_autocast(cast):
+    @functools.wraps(cast)
+    def run(w: torch.Tensor, *args, **kwargs):
+        device = w.device.type
+        if device not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device):
+            return cast(w, *args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return cast(w, *args, **kwargs)
+    return run
+
+
+@_outside_autocast
 def quantize_experts_current(w: torch.Tensor, dtype: torch.dtype, margin: float,
                              power_of_two: bool, transpose: bool = True):
     """Current scaling, one scale per expert: (data [E, N, K], data^T [E, K, N] or an empty
@@ -22,6 +42,7 @@ def quantize_experts_current(w: torch.Tensor, dtype: torch.dtype, margin: float,
             torch.stack([c[2] for c in casts]), torch.stack([c[3] for c in casts]))
 
 
+@_outside_autocast
 def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                             transpose: bool = True):
     """Each expert cast with its given scale (delayed scaling), as the op quantize casts a dense
@@ -39,6 +60,7 @@ def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.d
             torch.stack([c[2].float() for c in casts]))
 
 
+@_outside_autocast
 def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two: bool,
                                transpose: bool = True):
     """128x128 blocks per expert: (data [E, N, K], scale_inv [E, Nb, Kb], data^T [E, K, N]
@@ -56,6 +78,7 @@ def quantize_experts_blockwise(w: torch.Tensor, dtype: torch.dtype, power_of_two
     return data, scale_inv, data_t, scale_inv.transpose(1, 2)
 
 
+@_outside_autocast
 def experts_amax(w: torch.Tensor) -> torch.Tensor:
     """Each expert's amax [E] (float32), the one its cast records (the dense op amax)."""
     _need_3d(w)
@@ -64,6 +87,7 @@ def experts_amax(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([_ops.amax(expert).float() for expert in w])
 
 
+@_outside_autocast
 def transpose_experts(data: torch.Tensor) -> torch.Tensor:
     """FP8 experts [E, N, K] as [E, K, N], contiguous: one byte copy for all experts."""
     return data.view(torch.uint8).transpose(1, 2).contiguous().view(data.dtype)
