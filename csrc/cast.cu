@@ -1,6 +1,8 @@
 // Per-tensor cast kernels: amax, quantize (nearest / stochastic) with amax in the same pass,
-// the fused quantize + transpose + amax, and dequantize. Numerics: docs/design.md (casts, stochastic rounding).
+// the fused quantize + transpose + amax, and dequantize; the same casts over a stack of experts.
+// Numerics: docs/design.md (casts, stochastic rounding).
 #include "byte_tile.cuh"
+#include "cast_experts.h"
 
 namespace fp8ops {
 namespace {
@@ -36,7 +38,7 @@ int flat_blocks(const FlatPlan& p) {
 
 // ---- amax ---------------------------------------------------------------------------------------
 template <typename T>
-__global__ void amax_kernel(const T* __restrict__ x, FlatPlan plan, unsigned* __restrict__ out) {
+__device__ __forceinline__ void amax_body(const T* __restrict__ x, const FlatPlan& plan, unsigned* __restrict__ out) {
   constexpr int N = 16 / sizeof(T);
   unsigned m = 0;
   for_each_flat<N>(
@@ -49,6 +51,11 @@ __global__ void amax_kernel(const T* __restrict__ x, FlatPlan plan, unsigned* __
       [&](int64_t i) { m = max(m, abs_bits(to_float(x[i]))); });
   m = block_max(m);
   if (threadIdx.x == 0 && m) atomicMax(out, m);
+}
+
+template <typename T>
+__global__ void amax_kernel(const T* __restrict__ x, FlatPlan plan, unsigned* __restrict__ out) {
+  amax_body(x, plan, out);
 }
 
 // ---- quantize (flat) ----------------------------------------------------------------------------
@@ -131,7 +138,7 @@ __device__ __forceinline__ uint64_t stream_offset(const QuantizeParams& p) {
 }
 
 template <typename T, Fp8 F, bool kStoch>
-__global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
+__device__ __forceinline__ void quantize_body(const QuantizeParams& p, const FlatPlan& plan) {
   constexpr int N = 16 / sizeof(T);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const float s = cast_scale_of(p);
@@ -152,13 +159,18 @@ __global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
   if (threadIdx.x == 0) finish_amax(p, m);
 }
 
+template <typename T, Fp8 F, bool kStoch>
+__global__ void quantize_kernel(QuantizeParams p, FlatPlan plan) {
+  quantize_body<T, F, kStoch>(p, plan);
+}
+
 // ---- quantize + transpose -----------------------------------------------------------------------
-// One 128x128 tile of the [rows, cols] view per block: coalesced row reads, a batch of them issued
+// One 128x128 tile of the [rows, cols] view per block (blockIdx.x): coalesced row reads, a batch of them issued
 // before the first is used; the row-wise bytes written as read and staged in shared memory; then
 // the transposed rows of data_t [cols, rows].
 template <typename T, Fp8 F, bool kStoch, bool kVec>
-__global__ void __launch_bounds__(kByteTileThreads, 3)
-quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool words_t) {
+__device__ __forceinline__ void quantize_transpose_body(const QuantizeParams& p, int64_t rows, int64_t tiles_c,
+                                                        bool words_t) {
   constexpr int N = kVec ? 16 / sizeof(T) : 1;
   constexpr int kPerRow = kByteTile / N;  // threads along a tile row
   constexpr int kRowsPerPass = kByteTileThreads / kPerRow, kPasses = kByteTile / kRowsPerPass;
@@ -198,6 +210,47 @@ quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool 
 
   m = block_max(m);
   if (threadIdx.x == 0) finish_amax(p, m);
+}
+
+template <typename T, Fp8 F, bool kStoch, bool kVec>
+__global__ void __launch_bounds__(kByteTileThreads, 3)
+quantize_transpose_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool words_t) {
+  quantize_transpose_body<T, F, kStoch, kVec>(p, rows, tiles_c, words_t);
+}
+
+// ---- the experts: E matrices of p.n elements each (blockIdx.y), each cast as above casts one ----
+// Matrix e's launch parameters: matrix 0's with every pointer advanced to matrix e (its scale,
+// amax and published scale are element e of [E] buffers).
+template <typename T>
+__device__ __forceinline__ QuantizeParams expert_params(QuantizeParams p) {
+  const int64_t e = blockIdx.y;
+  p.x = static_cast<const T*>(p.x) + e * p.n;
+  p.data += e * p.n;
+  if (p.data_t != nullptr) p.data_t += e * p.n;
+  if (p.scale != nullptr) p.scale += e;
+  if (p.scale_amax != nullptr) p.scale_amax += e;
+  if (p.amax != nullptr) p.amax += e;
+  if (p.out_scale != nullptr) {
+    p.out_scale += e;
+    p.out_scale_inv += e;
+  }
+  return p;
+}
+
+template <typename T>
+__global__ void amax_experts_kernel(const T* __restrict__ x, FlatPlan plan, unsigned* __restrict__ out) {
+  amax_body(x + int64_t(blockIdx.y) * plan.n, plan, out + blockIdx.y);
+}
+
+template <typename T, Fp8 F>
+__global__ void quantize_experts_kernel(QuantizeParams p, FlatPlan plan) {
+  quantize_body<T, F, false>(expert_params<T>(p), plan);
+}
+
+template <typename T, Fp8 F, bool kVec>
+__global__ void __launch_bounds__(kByteTileThreads, 3)
+quantize_transpose_experts_kernel(QuantizeParams p, int64_t rows, int64_t tiles_c, bool words_t) {
+  quantize_transpose_body<T, F, false, kVec>(expert_params<T>(p), rows, tiles_c, words_t);
 }
 
 // ---- dequantize ---------------------------------------------------------------------------------
@@ -274,6 +327,60 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
         FlatPlan plan = plan_flat<N>(p.n, head);
         auto kernel = p.stochastic ? quantize_kernel<T, F, true> : quantize_kernel<T, F, false>;
         launch_kernel(kernel, flat_blocks<N>(plan), kThreads, stream, p, plan);
+      }
+    });
+  });
+}
+
+void launch_amax_experts(const AmaxParams& p, int64_t experts, cudaStream_t stream) {
+  if (experts < 0 || experts > 65535) throw std::invalid_argument("fp8ops: amax_experts: experts must be in [0, 65535]");
+  if (experts == 0) return;
+  FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, experts * sizeof(float), stream));
+  if (p.n == 0) return;
+  dispatch_input(p.x_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int N = 16 / sizeof(T);
+    // vectors only where every matrix starts 16-byte aligned, as matrix 0 does
+    const bool vec = aligned(p.x, 16) && p.n % N == 0;
+    FlatPlan plan = plan_flat<N>(p.n, vec ? 0 : p.n);
+    launch_kernel(amax_experts_kernel<T>, dim3(flat_blocks<N>(plan), unsigned(experts)), kThreads, stream,
+                  static_cast<const T*>(p.x), plan, reinterpret_cast<unsigned*>(p.amax));
+  });
+}
+
+void launch_quantize_experts(const QuantizeParams& p, int64_t experts, cudaStream_t stream) {
+  if (experts < 0 || experts > 65535)
+    throw std::invalid_argument("fp8ops: quantize_experts: experts must be in [0, 65535]");
+  if (p.stochastic || p.rng != nullptr || p.pending_amax != nullptr || p.blocks_done != nullptr)
+    throw std::invalid_argument("fp8ops: quantize_experts: round to nearest, no amax recording");
+  if ((p.scale == nullptr) == (p.scale_amax == nullptr))
+    throw std::invalid_argument("fp8ops: quantize_experts: give the scales or the amaxes to take them from");
+  if (p.via != DType::kFloat32) throw std::invalid_argument("fp8ops: quantize_experts: no via rounding");
+  if (experts == 0) return;
+  if (p.amax != nullptr) FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, experts * sizeof(float), stream));
+  if (p.n == 0) throw std::invalid_argument("fp8ops: quantize_experts: empty matrices have no block to publish a scale");
+  if (p.data_t && p.cols <= 0) throw std::invalid_argument("fp8ops: quantize_experts: cols must be > 0");
+  dispatch_input(p.x_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int N = 16 / sizeof(T);
+    dispatch_fp8(p.out_dtype, [&](auto fmt) {
+      constexpr Fp8 F = decltype(fmt)::value;
+      // with cols (or n) a multiple of N every matrix starts aligned as matrix 0 does; rows % 4 == 0
+      // (the word stores) keeps every transposed matrix 4-byte aligned alike
+      if (p.data_t) {
+        const int64_t rows = p.n / p.cols, tiles_c = (p.cols + kByteTile - 1) / kByteTile;
+        const int64_t tiles = (rows + kByteTile - 1) / kByteTile * tiles_c;
+        const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
+        const bool words_t = byte_tile_word_stores(p.data_t, rows);
+        if (tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize_experts: matrices too large");
+        auto kernel = vec ? quantize_transpose_experts_kernel<T, F, true> : quantize_transpose_experts_kernel<T, F, false>;
+        launch_kernel(kernel, dim3(unsigned(tiles), unsigned(experts)), kByteTileThreads, stream, p, rows, tiles_c,
+                      words_t);
+      } else {
+        const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.n % N == 0;
+        FlatPlan plan = plan_flat<N>(p.n, vec ? 0 : p.n);
+        launch_kernel(quantize_experts_kernel<T, F>, dim3(flat_blocks<N>(plan), unsigned(experts)), kThreads, stream,
+                      p, plan);
       }
     });
   });

@@ -80,7 +80,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_grouped_gpu.py tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 

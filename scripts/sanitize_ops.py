@@ -156,5 +156,12 @@ for sizes in ([5, 0, 200, 77], [1, 2, 3, 5, 7, 11], [0, 0, 130]):
         ops.grouped_gemm_wgrad_sm90(torch.randn(n, m, device="cuda").to(a_dt),
                                     torch.randn(k, m, device="cuda").to(F8), offsets, sg, sg,
                                     torch.float32)
+# the experts' weight casts: every expert in one launch; ragged and aligned shapes
+for shape, dt in (((3, 130, 141), torch.float32), ((4, 256, 512), torch.bfloat16)):
+    w = torch.randn(*shape, device="cuda").to(dt)
+    ops.amax_experts(w)
+    for transpose in (True, False):
+        ops.quantize_experts_current(w, F8, 1.0, False, transpose)
+        ops.quantize_experts_scaled(w, torch.rand(shape[0], device="cuda") + 0.5, F8, transpose)
 torch.cuda.synchronize()
 print("sanitize_ops: every cast, GEMM and optimizer op ran")

@@ -51,6 +51,12 @@ def test_cast_ops_have_cuda_kernels():
 
 
 @BUILT
+def test_expert_cast_ops_have_cuda_kernels():
+    from fp8ops.ops.expert_casts import SCHEMAS
+    assert _missing_cuda_kernels(SCHEMAS) == []
+
+
+@BUILT
 def test_grouped_gemm_kernel_ops_have_cuda_kernels():
     from fp8ops.ops.grouped import KERNEL_SCHEMAS
     # (an op the library does not have is reported: the check can fail)

@@ -319,51 +319,6 @@ def test_opcheck(name, index):
 
 
 # ----------------------------------------------------------------------------------------------
-# expert weight casts
-# ----------------------------------------------------------------------------------------------
-def test_expert_casts_are_the_dense_casts_per_expert():
-    from fp8ops.ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
-    from fp8ops.ops.expert_casts import quantize_experts_scaled
-    w = torch.randn(3, 136, 200) * torch.tensor([1e-3, 1.0, 1e3]).view(3, 1, 1)
-    w[1] = 0  # an all-zero expert: scale 1
-    data, data_t, scale, scale_inv = quantize_experts_current(w, E4, 1.0, False)
-    bd, bs, bd_t, bs_t = quantize_experts_blockwise(w, E4, True)
-    for g in range(3):
-        d, d_t, s, s_inv, _ = _ops.quantize_current(w[g], E4, 1.0, False, True)
-        for got, want in ((data[g], d), (data_t[g], d_t), (scale[g], s), (scale_inv[g], s_inv)):
-            _same(got, want)
-        r, rs = _ops.quantize_blockwise(w[g], E4, 128, 128, True)
-        _same(bd[g], r)
-        _same(bs[g], rs)
-        _same(bd_t[g], r.t().contiguous())
-        _same(bs_t[g], rs.t())
-    assert scale[1] == 1
-    given = torch.tensor([3e3, 7.0, 0.25])
-    sd, sd_t, amax = quantize_experts_scaled(w, given, E5)
-    for g in range(3):
-        d, d_t, a = _ops.quantize(w[g], given[g], E5, True)
-        for got, want in ((sd[g], d), (sd_t[g], d_t), (amax[g], a)):
-            _same(got, want)
-    with pytest.raises(ValueError, match="one per expert"):
-        quantize_experts_scaled(w, torch.ones(2), E5)
-    # without the transposed copies (an FSDP2 shard's cast): the same bytes, scales and amaxes
-    from fp8ops.ops.expert_casts import experts_amax, transpose_experts
-    nd, nd_t, n_scale, n_scale_inv = quantize_experts_current(w, E4, 1.0, False, transpose=False)
-    for got, want in ((nd, data), (n_scale, scale), (n_scale_inv, scale_inv)):
-        _same(got, want)
-    nb, nbs, nb_t, _ = quantize_experts_blockwise(w, E4, True, transpose=False)
-    _same(nb, bd)
-    _same(nbs, bs)
-    ns, ns_t, n_amax = quantize_experts_scaled(w, given, E5, transpose=False)
-    _same(ns, sd)
-    _same(n_amax, amax)
-    assert nd_t.numel() == nb_t.numel() == ns_t.numel() == 0
-    _same(experts_amax(w), amax)
-    _same(transpose_experts(data), data_t)
-    _same(transpose_experts(bd), bd_t)
-
-
-# ----------------------------------------------------------------------------------------------
 # grouped_linear and FP8GroupedLinear
 # ----------------------------------------------------------------------------------------------
 RECIPES = {"current": None, "current_p2": fp8ops.CurrentScaling(power_of_two=True, margin=2.0),
@@ -506,23 +461,6 @@ def test_module_under_autocast_with_inputs_already_in_its_dtype(recipe):
             with torch.no_grad():
                 layer.weight.sub_(0.5 * layer.weight.grad)
             layer.weight.grad = None
-
-
-@pytest.mark.parametrize("name, args", [
-    ("quantize_experts_current", (torch.float8_e4m3fn, 1.0, False)),
-    ("quantize_experts_scaled", (torch.full((2,), 3.0), torch.float8_e4m3fn)),
-    ("quantize_experts_blockwise", (torch.float8_e4m3fn, False)),
-    ("experts_amax", ())])
-def test_expert_casts_under_autocast(name, args):
-    """FSDP2 casts the experts' shards in its pre-forward hook, inside the user's autocast."""
-    from fp8ops.ops import expert_casts
-    w = torch.randn(2, 130, 140, generator=torch.Generator().manual_seed(1)).bfloat16()
-    want = getattr(expert_casts, name)(w, *args)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = getattr(expert_casts, name)(w, *args)
-    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-    for g, x in zip(got, want):
-        _same(g, x)
 
 
 def test_grouped_linear_main_grad():

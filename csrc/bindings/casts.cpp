@@ -384,8 +384,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delayed_s
 // (fp8ops/ops/fused.py is their definition; the kernels are those of the unfused ops.)
 using FusedCast = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-float fp8_max_of(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f; }
-
 // Sums over the rows of x's 2-D view in float32, rounded to sum_dtype (empty float32 without one).
 at::Tensor column_sums(const at::Tensor& xc, std::optional<at::ScalarType> sum_dtype) {
   if (!sum_dtype) return at::empty({0}, xc.options().dtype(at::kFloat));

@@ -69,6 +69,9 @@ inline fp8ops::DType to_dtype(at::ScalarType t) {
   }
 }
 
+// The largest finite value of an FP8 dtype (E4M3 or E5M2).
+inline float fp8_max_of(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f; }
+
 inline void check_cuda(const at::Tensor& t, const char* name) {
   FP8OPS_CHECK(t.is_cuda(), "fp8ops: ", name, " must be a CUDA tensor, got ", t.device().str());
 }

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from . import backend, emulation, fused, grouped
+from . import backend, emulation, expert_casts, fused, grouped
 
 _lib = torch.library.Library("fp8ops", "DEF")
 _F32 = torch.float32
@@ -164,6 +164,8 @@ for _name in SCHEMAS:
 
 # the grouped GEMMs and casts of mixture-of-experts layers (grouped.py; emulation on every device)
 grouped.register(_lib, _without_grad)
+# the experts' weight casts (expert_casts.py; one C++ launch for all experts on CUDA)
+expert_casts.register(_lib, _without_grad)
 
 
 # ----------------------------------------------------------------------------------------------
