@@ -7,8 +7,9 @@
 #   bash scripts/gpu_check.sh --quick         # at most 8 minutes, build included (below)
 #
 # --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
-# grouped (MoE) GEMM kernel's, the fused FP8AdamW step's, the C++ layer step's, the statistics
-# kernel's, the casts' and the layer's test files; time limit QUICK_TEST_LIMIT) and racecheck of
+# grouped (MoE) GEMM kernel's and the MoE casts', the fused FP8AdamW step's, the C++ layer
+# step's, the statistics kernel's, the casts' and the layer's test files; time limit
+# QUICK_TEST_LIMIT) and racecheck of
 # the shared-memory kernels; then the figures the open performance goals need: the host time of
 # one layer step, the GPU timeline of one step at 16384x8192x1280, the layer step against bf16
 # at five key shapes, the casts at 64 and 256 MB, FP8AdamW's step against torch's fused AdamW
@@ -80,7 +81,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_grouped_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 

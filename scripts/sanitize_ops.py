@@ -1,7 +1,8 @@
 """Runs every fp8ops cast and GEMM op once on small CUDA tensors (odd sizes, misaligned views), for
 compute-sanitizer: scripts/gpu_check.sh runs it under --tool memcheck. With --race it runs only
-the kernels that share data through shared memory (the fused cast+transpose, the byte transpose,
-the blockwise pair cast and the scale update), for --tool racecheck, which is slow on the GEMMs."""
+the kernels that share data through shared memory (the fused cast+transpose, per tensor, per
+group and per expert, the byte transpose, the blockwise pair cast and the scale update), for
+--tool racecheck, which is slow on the GEMMs."""
 import sys
 
 import torch
@@ -43,6 +44,10 @@ if "--race" in sys.argv:
     for algo in ("max", "percentile"):  # the update in place: outputs alias the inputs
         bufs = _role_buffers(1024)
         ops.quantize_delayed(x, *bufs, F8, 1.0, 1, algo, 0.1, 90.0, False, True, False, True)
+    # the per-group and per-expert tiled casts (their row scales shared through shared memory)
+    offsets = torch.tensor([5, 5, 200, 250], device="cuda", dtype=torch.int32)
+    ops.quantize_current_grouped(x, offsets, F8, 1.0, False, True)
+    ops.quantize_experts_current(x[:256].reshape(2, 128, 300), F8, 1.0, False, True)
     torch.cuda.synchronize()
     print("sanitize_ops --race: the shared-memory kernels ran")
     sys.exit(0)
@@ -163,5 +168,13 @@ for shape, dt in (((3, 130, 141), torch.float32), ((4, 256, 512), torch.bfloat16
     for transpose in (True, False):
         ops.quantize_experts_current(w, F8, 1.0, False, transpose)
         ops.quantize_experts_scaled(w, torch.rand(shape[0], device="cuda") + 0.5, F8, transpose)
+# the per-group casts of rows sorted by expert: empty groups, rows past the last one
+for sizes, cols in (([5, 0, 200, 77], 141), ([128, 256], 512)):
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes) + 9, cols, device="cuda").to(torch.bfloat16)
+    for transpose in (True, False):
+        ops.quantize_current_grouped(x, offsets, F8, 1.0, False, transpose)
+        ops.quantize_scaled_grouped(x, offsets, torch.rand(len(sizes), device="cuda") + 0.5, F8,
+                                    transpose)
 torch.cuda.synchronize()
 print("sanitize_ops: every cast, GEMM and optimizer op ran")

@@ -51,9 +51,10 @@ def test_cast_ops_have_cuda_kernels():
 
 
 @BUILT
-def test_expert_cast_ops_have_cuda_kernels():
+def test_expert_and_grouped_cast_ops_have_cuda_kernels():
     from fp8ops.ops.expert_casts import SCHEMAS
-    assert _missing_cuda_kernels(SCHEMAS) == []
+    grouped = ["quantize_current_grouped", "quantize_scaled_grouped"]
+    assert _missing_cuda_kernels(list(SCHEMAS) + grouped) == []
 
 
 @BUILT

@@ -2,7 +2,9 @@
 
 Tokens sorted by expert, `offsets` int32 [E] the cumulative end row of each group (the convention
 of torch._grouped_mm); emulation_grouped.py is their meaning (a loop over the groups of the dense
-ops); it serves CUDA tensors too, except where the Hopper kernel takes the GEMM (below).
+ops); it serves CUDA tensors too, except where the Hopper kernel takes the GEMM (below) and
+where the CUDA extension registers its own kernels (quantize_current_grouped and
+quantize_scaled_grouped: csrc/cast_grouped.cu, the bytes the same).
 
   grouped_gemm            Y_g = X_g W_g^T, a [M, K], b [E, N, K]; scales per group [E] or per
                           row [M, 1] for a, per expert [E] or per output column [E, N] for b
