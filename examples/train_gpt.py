@@ -11,6 +11,7 @@ baseline, tokens/s, memory.
     python examples/train_gpt.py --optimizer fp8adamw --param-dtype bfloat16 --fp8-activations on
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
     python examples/train_gpt.py --moe --recipes baseline,current,blockwise   # mixture of experts
+    python examples/train_gpt.py --moe --recipes baseline,current,torchao     # and torchao's recipe
 
 Presets (--size; every field can be overridden by its flag): cpu (the default: GPT d_model 128, 2
 layers, batch 16 x seq 64, 200 steps), tiny (GPT d_model 64, 1 layer, 6 steps: the tests'), gpu
@@ -69,6 +70,11 @@ down_proj [E, d_model, 4 d_model]. convert_to_fp8 runs the experts as FP8 groupe
 blockwise recipes; with the others (delayed, mxfp8, current_stochastic) the experts stay in high
 precision (a warning) and only the dense Linears go to FP8. The baseline runs the same module's
 own forward, a loop over the experts. GPT only; not with --fsdp or --offload.
+--moe only, on the CPU, with torchao 0.18.0 installed: the recipes torchao and torchao_mxfp8
+(examples/torchao_moe.py) run the experts' GEMMs (forward, dgrad, wgrad) as torchao's FP8
+row-wise grouped recipe (torchao's casts, a float32 grouped GEMM of the dequantized values in
+place of torch._scaled_grouped_mm) or its emulated MXFP8 recipe, and keep every other layer in
+high precision, as the baseline runs it (no fp8ops layer: --fp8-activations does not apply).
 """
 from __future__ import annotations
 
@@ -93,6 +99,7 @@ from data import VOCAB_SIZE, Batches, fixed_batches, load_tokens  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 import scaling_report  # noqa: E402
+import torchao_moe  # noqa: E402  (imports torchao only when its recipes run)
 
 RECIPES = {
     "baseline": lambda: None,
@@ -103,6 +110,9 @@ RECIPES = {
     "blockwise": lambda: fp8ops.BlockwiseScaling(),
     # not run by default: the outlier-robust amax (99.99th percentile of |x| in each tensor)
     "current_p99.99": lambda: fp8ops.CurrentScaling(amax_percentile=99.99),
+    # --moe only: torchao's grouped recipes for the experts, the rest in high precision
+    "torchao": lambda: torchao_moe.TorchaoExperts("torchao"),
+    "torchao_mxfp8": lambda: torchao_moe.TorchaoExperts("torchao_mxfp8"),
 }
 OPTIMIZERS = ("adamw", "fp8adamw")
 SECOND_MOMENTS = ("sqrt_e4m3", "e5m2", "bf16")
@@ -158,7 +168,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                    help="comma-separated subset of: " + ", ".join(RECIPES) +
-                   " (default: all but current_p99.99)")
+                   " (default: all but current_p99.99, torchao and torchao_mxfp8; the torchao "
+                   "ones take --moe)")
     p.add_argument("--fallback", choices=("never", "auto"), default="never",
                    help="FP8 layers' fallback: never (default: every FP8 layer trains in FP8) or "
                         "auto (layers too small to gain from FP8 on this GPU, by its measured "
@@ -207,6 +218,14 @@ def parse_args(argv=None):
     bad = [r for r in args.recipes if r not in RECIPES]
     if bad:
         p.error(f"unknown recipe(s) {bad}; choose from {list(RECIPES)}")
+    torchao = [r for r in args.recipes if r in torchao_moe.RECIPES]
+    if torchao and not args.moe:
+        p.error(f"recipe(s) {torchao} run torchao's grouped GEMMs for the experts: add --moe")
+    if torchao and not args.device.startswith("cpu"):
+        p.error(f"recipe(s) {torchao} run on the CPU only (examples/torchao_moe.py stands in "
+                "for torchao's GPU kernels)")
+    if torchao and torchao_moe.missing():
+        p.error(f"recipe(s) {torchao} need torchao: {torchao_moe.missing()}")
     return args
 
 
@@ -376,9 +395,12 @@ def evaluate(model, batches, device, autocast, ranks):
 def run(name, args, train_tokens, val_batches, ranks):
     device = ranks.device
     recipe = RECIPES[name]()
+    torchao = isinstance(recipe, torchao_moe.TorchaoExperts)
     torch.manual_seed(args.seed)
     model = build_model(args).to(device, getattr(torch, args.param_dtype))
-    if recipe is not None:
+    if torchao:
+        recipe.apply(model)  # the experts only; no fp8ops layer
+    elif recipe is not None:
         fp8ops.convert_to_fp8(model, recipe, filter_fn=keep_high_precision,
                               fallback=args.fallback)
         if args.monitor_every:
@@ -402,7 +424,7 @@ def run(name, args, train_tokens, val_batches, ranks):
     else:
         autocast = nullcontext
     saved_in_fp8 = nullcontext
-    if recipe is not None and args.fp8_activations != "off":
+    if recipe is not None and not torchao and args.fp8_activations != "off":
         def saved_in_fp8():
             return fp8ops.fp8_activations(attention=args.fp8_activations == "attention")
     bar = range(args.steps)
@@ -469,7 +491,8 @@ def table(results, args, device, ranks):
     backend = fp8ops.backend(device)
     ffn = f"ffn_hidden={LlamaConfig(d_model=args.d_model).ffn_hidden} "
     moe = (f"MoE: {args.experts} experts top-2 per block (router in high precision; experts in "
-           f"FP8 grouped GEMMs with current / delayed / blockwise, else high precision) "
+           f"FP8 grouped GEMMs with current / delayed / blockwise, torchao's recipes with "
+           f"torchao / torchao_mxfp8, else high precision) "
            if getattr(args, "moe", False) else "")
     head = (("GPT" if args.arch == "gpt" else "Llama-style") + f" d_model={args.d_model} "
             f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") + moe +

@@ -11,6 +11,7 @@ PY=${PYTHON:-python3}
 pip install -q --disable-pip-version-check "torch==2.14.1" numpy ml_dtypes pytest matplotlib tqdm ninja setuptools wheel \
   "transformers==5.24.0" "accelerate==1.15.0"
 pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"  # headers only
+pip install -q --disable-pip-version-check --no-deps "torchao==0.18.0"  # the demo's torchao MoE recipes
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build

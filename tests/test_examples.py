@@ -299,3 +299,55 @@ print(json.dumps(dict(kinds=kinds, experts=experts, grads=grads,
                               for i in range(2)}
     assert got["grads"] and all(got["grads"].values()), got["grads"]
     assert got["dense"] == ["MLP"]
+
+
+def test_train_gpt_moe_torchao_tiny(tmp_path):
+    """--moe with torchao's recipes (examples/torchao_moe.py) at the tiny preset: they train
+    from the baseline's weights and data, with the experts' GEMMs in FP8 and nothing else."""
+    md, res = _run_demo(tmp_path, "--moe", "--recipes", "baseline,torchao,torchao_mxfp8")
+    results = res["results"]
+    assert [r["name"] for r in results] == ["baseline", "torchao", "torchao_mxfp8"]
+    assert [r["recipe"] for r in results[1:]] == ["TorchaoExperts('torchao')",
+                                                  "TorchaoExperts('torchao_mxfp8')"]
+    for r in results:
+        assert f"| {r['name']} |" in md
+        losses = r["train_curve"] + [v for _, v in r["val_curve"]]
+        assert len(r["train_curve"]) == 3 and all(math.isfinite(v) and 0 < v < 10 for v in losses)
+        assert abs(r["train_curve"][0] - results[0]["train_curve"][0]) < 0.05
+        if r is not results[0]:
+            assert r["train_curve"] != results[0]["train_curve"]  # the FP8 experts ran
+            # no fp8ops layer: no FP8 weight cache or scaling state besides the baseline's bytes
+            assert r["device_state_mib"] == results[0]["device_state_mib"]
+
+
+def test_train_gpt_torchao_refusals(tmp_path):
+    """The torchao recipes need --moe and torchao; without torchao the demo's other recipes
+    still run (it is imported only for its recipes)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                           "--recipes", "baseline,torchao"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "run torchao's grouped GEMMs for the experts: add --moe" \
+        in proc.stderr, proc.stderr
+    prog = f"""
+import contextlib, io, json, os, sys
+sys.modules['torchao'] = None  # as if torchao were not installed
+sys.path.insert(0, os.path.join(os.getcwd(), 'examples'))
+import train_gpt
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    try:
+        train_gpt.parse_args(['--moe', '--recipes', 'baseline,torchao_mxfp8'])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+res = train_gpt.main(['--size', 'tiny', '--moe', '--steps', '1', '--eval-every', '1',
+                      '--recipes', 'baseline', '--no-progress', '--out-dir', {str(tmp_path)!r}])
+print(json.dumps(dict(code=code, err=err.getvalue(), loss=res[0]['final_val_loss'],
+                      torchao=[m for m in sys.modules if m.startswith('torchao.')])))
+"""
+    proc = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["code"] == 2 and "need torchao: torchao is not installed" in got["err"], got
+    assert math.isfinite(got["loss"]) and got["torchao"] == []
