@@ -66,10 +66,14 @@ monitor does not sample); peak memory and device state are rank 0's (its shards)
 nn.Linear kept in high precision) sends each token to its top 2 of --experts (default 4) GELU
 MLPs of the dense MLP's size, held as 3-D parameters up_proj [E, 4 d_model, d_model] and
 down_proj [E, d_model, 4 d_model]. convert_to_fp8 runs the experts as FP8 grouped GEMMs
-(fp8ops.grouped_linear, each expert's weight cast once per optimizer step) with the current and
-blockwise recipes; with the others (delayed, mxfp8, current_stochastic) the experts stay in high
-precision (a warning) and only the dense Linears go to FP8. The baseline runs the same module's
-own forward, a loop over the experts. GPT only; not with --fsdp or --offload.
+(fp8ops.grouped_linear, each expert's weight cast once per optimizer step) with the current,
+blockwise and delayed recipes (delayed: an amax history per expert); with the others (mxfp8,
+current_stochastic) the experts stay in high precision (a warning) and only the dense Linears go
+to FP8. The baseline runs the same module's own forward, a loop over the experts. GPT only. With
+--fsdp the experts' 3-D parameters are sharded with their block and gathered in FP8 (each rank
+casts its shard, as for the dense Linears); with --offload they are ordinary parameters of the
+optimizer (their weights stay on the device in their dtype; only FP8Linear weights become FP8
+alone there).
 --moe only, on the CPU, with torchao 0.18.0 installed: the recipes torchao and torchao_mxfp8
 (examples/torchao_moe.py) run the experts' GEMMs (forward, dgrad, wgrad) as torchao's FP8
 row-wise grouped recipe (torchao's casts, a float32 grouped GEMM of the dequantized values in
@@ -200,9 +204,6 @@ def parse_args(argv=None):
                         "grouped GEMMs by the current and blockwise recipes (see the module doc)")
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --moe)")
     args = p.parse_args(argv)
-    if args.moe and (args.fsdp or args.offload):
-        p.error("--moe with --fsdp or --offload is not supported yet (the FP8 grouped layer has "
-                "neither FSDP2 nor offloading)")
     if args.fsdp and args.offload:
         p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
                 "FP32 masters, FSDP2 shards them): use one of them")

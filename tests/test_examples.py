@@ -269,6 +269,30 @@ def test_train_gpt_moe_tiny(tmp_path):
             assert r["device_state_mib"] > results[0]["device_state_mib"]
 
 
+def test_train_gpt_fsdp_moe_tiny(tmp_path):
+    """--fsdp --moe: the experts' 3-D parameters sharded with their block and gathered in FP8
+    train as one process does, to the tolerances of the dense table (delayed scaling's amaxes
+    are all-reduced: float32 sums in another order; current scaling takes each rank's own amax
+    for activations and gradients)."""
+    args = ["--moe", "--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
+            "baseline,delayed,current", "--no-progress", "--out-dir", str(tmp_path)]
+    single = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert single.returncode == 0, single.stdout + single.stderr
+    proc = _torchrun("--fsdp", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "MoE: 4 experts" in (tmp_path / "results_fsdp.md").read_text()
+    one = json.loads((tmp_path / "results.json").read_text())["results"]
+    fsdp = json.loads((tmp_path / "results_fsdp.json").read_text())["results"]
+    for a, b in zip(one, fsdp, strict=True):
+        tol = 5e-3 if a["name"] == "current" else 1e-4
+        got = b["train_curve"] + [v for _, v in b["val_curve"]]
+        want = a["train_curve"] + [v for _, v in a["val_curve"]]
+        assert max(abs(x - y) for x, y in zip(got, want)) < tol, (a["name"], got, want)
+        assert b["device_state_mib"] < 0.6 * a["device_state_mib"]  # rank 0 holds half
+
+
 def test_moe_experts_go_to_fp8():
     """With --moe, convert_to_fp8 and the demo's filter_fn give each block's experts module the
     FP8 grouped forward (both 3-D weights cached), keep the router and the LM head nn.Linear, and
