@@ -1,28 +1,18 @@
 // Per-group casts of rows sorted by expert (cast_grouped.h): each group's amax (a warp per row,
-// one atomic per row), the groups' scales, then the cast of every row with its group's scale
-// (a warp per row, or 128x128 tiles with the transposed copy). The bytes are those of the dense
-// cast on each group's rows; fp8ops/ops/emulation_grouped.py is the definition.
+// its group by grouped::row_group, one atomic per row), the groups' scales, then the cast of
+// every row with its group's scale (a warp per row, or 128x128 tiles with the transposed copy).
+// The bytes are those of the dense cast on each group's rows; fp8ops/ops/emulation_grouped.py is
+// the definition.
 #include "byte_tile.cuh"
 #include "cast_grouped.h"
 #include "cast_pack.cuh"
+#include "grouped_layout.h"
 
 namespace fp8ops {
 namespace {
 
 constexpr int kRowWarps = 8;  // rows per block in the row kernels (a warp per row)
 constexpr int kMaxRowBlocks = 8192;
-
-// The group of row r: the first g with offsets[g] > r (searchsorted, right), or groups when r is
-// past the last group. Unsorted offsets still give a group in [0, groups].
-__device__ __forceinline__ int group_of(const int32_t* __restrict__ offsets, int groups, int64_t r) {
-  int lo = 0, hi = groups;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (offsets[mid] > r) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
-}
 
 __device__ __forceinline__ float group_scale(const GroupedCastParams& p, int g) {
   return p.scale != nullptr ? p.scale[g] : scale_from_amax(p.amax[g], 1.0f, p.fp8_max, p.margin, p.power_of_two);
@@ -35,7 +25,7 @@ __global__ void group_amax_kernel(GroupedCastParams p) {
   const int lane = threadIdx.x % 32, groups = int(p.groups);
   for (int64_t r = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / 32; r < p.rows;
        r += int64_t(gridDim.x) * kRowWarps) {
-    const int g = group_of(p.offsets, groups, r);
+    const int g = grouped::row_group(p.offsets, groups, r);
     if (g >= groups) continue;  // (the same for the whole warp)
     unsigned m = 0;
     for (int64_t c = lane * N; c < p.cols; c += 32 * N) {
@@ -64,7 +54,7 @@ __global__ void group_cast_kernel(GroupedCastParams p) {
   RandomWords rw(0, 0);  // (round to nearest: never read)
   for (int64_t r = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / 32; r < p.rows;
        r += int64_t(gridDim.x) * kRowWarps) {
-    const int g = group_of(p.offsets, groups, r);
+    const int g = grouped::row_group(p.offsets, groups, r);
     uint8_t* __restrict__ out = p.data + r * p.cols;
     if (g >= groups) {
       for (int64_t c = lane * N; c < p.cols; c += 32 * N) *reinterpret_cast<Pack<uint8_t, N>*>(out + c) = Pack<uint8_t, N>{};
@@ -97,7 +87,7 @@ group_cast_transpose_kernel(GroupedCastParams p, int64_t tiles_c, bool words_t) 
   const int64_t r0 = (blockIdx.x / tiles_c) * kByteTile, c0 = (blockIdx.x % tiles_c) * kByteTile;
   if (threadIdx.x < kByteTile) {
     const int64_t r = r0 + threadIdx.x;
-    const int g = r < rows ? group_of(p.offsets, int(p.groups), r) : int(p.groups);
+    const int g = r < rows ? grouped::row_group(p.offsets, int(p.groups), r) : int(p.groups);
     row_owned[threadIdx.x] = g < p.groups;
     row_scale[threadIdx.x] = g < p.groups ? group_scale(p, g) : 0.0f;
   }

@@ -1,5 +1,6 @@
 // Where each group of a grouped (mixture-of-experts) GEMM lives: the problem shape and the
-// operand offsets of group g, from the offsets tensor (cumulative end rows, int32). Plain
+// operand offsets of group g, from the offsets tensor (cumulative end rows, int32); and each
+// row's group for the per-group casts (cast_grouped.cu). Plain
 // __host__ __device__ arithmetic, no CUDA runtime and no torch: the launcher's setup kernel runs
 // it on the device (the offsets never leave it) and tests/csrc/grouped_layout_check.cu runs the
 // same code on the host.
@@ -91,5 +92,18 @@ FP8OPS_HD Problem wgrad_problem(Span s, int g, int64_t packed_start, int64_t n, 
 
 // Output tiles of a problem (the persistent grid's work): ceil(M / 128) * ceil(N / 128).
 FP8OPS_HD int64_t tiles(const Problem& p) { return ((p.m + kTile - 1) / kTile) * ((p.n + kTile - 1) / kTile); }
+
+// The group of row r for the per-group casts: the first g with offsets[g] > r (searchsorted,
+// right), or `groups` when r is past the last group. Unsorted offsets still give a g in
+// [0, groups], so a bad tensor never sends a row outside the per-group buffers.
+FP8OPS_HD int row_group(const int32_t* offsets, int groups, int64_t r) {
+  int lo = 0, hi = groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (offsets[mid] > r) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
 
 }  // namespace fp8ops::grouped

@@ -442,6 +442,21 @@ def test_grouped_rows_problems(host_check, offsets):
     assert all(0 <= q["start"] and q["start"] + q["rows"] <= total for q in groups)
 
 
+@pytest.mark.parametrize("offsets", GROUPED_CASES + BAD_OFFSETS + [[]])
+def test_row_group_is_searchsorted(host_check, offsets):
+    """Each row's group in the per-group casts (csrc/cast_grouped.cu): numpy's searchsorted
+    (right) of the row in the offsets, which the emulation uses (torch.searchsorted); past the
+    last group, the group count. Bad offsets still give a group in [0, groups]."""
+    total = 410
+    (line,) = host_check("rowgroup", [len(offsets), total], [" ".join(map(str, offsets))])
+    got = [int(g) for g in line]
+    assert len(got) == total and all(0 <= g <= len(offsets) for g in got)
+    if offsets in BAD_OFFSETS:
+        return
+    want = np.searchsorted(np.array(offsets, dtype=np.int64), np.arange(total), side="right")
+    assert got == want.tolist()
+
+
 @pytest.mark.parametrize("offsets", GROUPED_CASES + BAD_OFFSETS)
 def test_grouped_wgrad_problems_start_16_byte_aligned_and_never_overlap(host_check, offsets):
     total, n, k = 400, 96, 160

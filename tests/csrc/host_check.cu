@@ -256,6 +256,14 @@ int main(int argc, char** argv) {
              (long long)fp8ops::grouped::tiles(q));
     }
     printf("%lld\n", (long long)ld);
+  } else if (!strcmp(mode, "rowgroup")) {
+    // header: groups rows; then the offsets. One line: each row's group.
+    const int groups = int(rd_i64());
+    const int64_t rows = rd_i64();
+    std::vector<int32_t> offsets(groups);
+    for (auto& o : offsets) o = int32_t(rd_i64());
+    for (int64_t r = 0; r < rows; ++r) printf("%d ", fp8ops::grouped::row_group(offsets.data(), groups, r));
+    printf("\n");
   } else if (!strcmp(mode, "up")) {
     const int fmt = int(rd_i64());
     fmt ? run_up<Fp8::kE5M2>() : run_up<Fp8::kE4M3>();
