@@ -232,6 +232,26 @@ __global__ void dequantize_kernel(DequantizeParams p, FlatPlan plan) {
       [&](int64_t i) { out[i] = from_float<T>(__fmul_rn(fp8_to_float<F>(p.data[i]), s)); });
 }
 
+// The 128x128 tiles of the quantize + transpose kernels over the [n / cols, cols] view: vector
+// loads where every row starts aligned, word stores where every transposed row does.
+struct TilePlan {
+  int64_t rows, tiles_c, tiles;
+  bool vec, words_t;
+};
+
+template <typename T>
+TilePlan plan_tiles(const QuantizeParams& p) {
+  constexpr int N = 16 / sizeof(T);
+  TilePlan t;
+  t.rows = p.n / p.cols;
+  t.tiles_c = (p.cols + kByteTile - 1) / kByteTile;
+  t.tiles = (t.rows + kByteTile - 1) / kByteTile * t.tiles_c;
+  t.vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
+  t.words_t = byte_tile_word_stores(p.data_t, t.rows);
+  if (t.tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize: tensor too large");
+  return t;
+}
+
 template <typename F>
 void dispatch_output(DType dt, F&& f) {
   dispatch_input(dt, std::forward<F>(f));  // same three types
@@ -270,18 +290,14 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
     dispatch_fp8(p.out_dtype, [&](auto fmt) {
       constexpr Fp8 F = decltype(fmt)::value;
       if (p.data_t) {
-        const int64_t rows = p.n / p.cols, tiles_c = (p.cols + kByteTile - 1) / kByteTile;
-        const int64_t tiles = (rows + kByteTile - 1) / kByteTile * tiles_c;
-        const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
-        const bool words_t = byte_tile_word_stores(p.data_t, rows);
-        if (tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize: tensor too large");
+        const TilePlan t = plan_tiles<T>(p);
         auto go = [&](auto kernel) {
-          launch_kernel(kernel, unsigned(tiles), kByteTileThreads, stream, p, rows, tiles_c, words_t);
+          launch_kernel(kernel, unsigned(t.tiles), kByteTileThreads, stream, p, t.rows, t.tiles_c, t.words_t);
         };
         if (p.stochastic)
-          vec ? go(quantize_transpose_kernel<T, F, true, true>) : go(quantize_transpose_kernel<T, F, true, false>);
+          t.vec ? go(quantize_transpose_kernel<T, F, true, true>) : go(quantize_transpose_kernel<T, F, true, false>);
         else
-          vec ? go(quantize_transpose_kernel<T, F, false, true>) : go(quantize_transpose_kernel<T, F, false, false>);
+          t.vec ? go(quantize_transpose_kernel<T, F, false, true>) : go(quantize_transpose_kernel<T, F, false, false>);
       } else {
         int64_t head = head_to_align16<T>(p.x, p.n);
         if (!aligned(p.data + (head < p.n ? head : 0), N)) head = p.n;  // output not aligned alike
@@ -329,14 +345,10 @@ void launch_quantize_experts(const QuantizeParams& p, int64_t experts, cudaStrea
       // with cols (or n) a multiple of N every matrix starts aligned as matrix 0 does; rows % 4 == 0
       // (the word stores) keeps every transposed matrix 4-byte aligned alike
       if (p.data_t) {
-        const int64_t rows = p.n / p.cols, tiles_c = (p.cols + kByteTile - 1) / kByteTile;
-        const int64_t tiles = (rows + kByteTile - 1) / kByteTile * tiles_c;
-        const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.cols % N == 0;
-        const bool words_t = byte_tile_word_stores(p.data_t, rows);
-        if (tiles > 0x7fffffff) throw std::invalid_argument("fp8ops: quantize_experts: matrices too large");
-        auto kernel = vec ? quantize_transpose_experts_kernel<T, F, true> : quantize_transpose_experts_kernel<T, F, false>;
-        launch_kernel(kernel, dim3(unsigned(tiles), unsigned(experts)), kByteTileThreads, stream, p, rows, tiles_c,
-                      words_t);
+        const TilePlan t = plan_tiles<T>(p);
+        auto kernel = t.vec ? quantize_transpose_experts_kernel<T, F, true> : quantize_transpose_experts_kernel<T, F, false>;
+        launch_kernel(kernel, dim3(unsigned(t.tiles), unsigned(experts)), kByteTileThreads, stream, p, t.rows, t.tiles_c,
+                      t.words_t);
       } else {
         const bool vec = aligned(p.x, 16) && aligned(p.data, N) && p.n % N == 0;
         FlatPlan plan = plan_flat<N>(p.n, vec ? 0 : p.n);

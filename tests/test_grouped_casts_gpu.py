@@ -9,25 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fp8ops  # noqa: F401  (defines torch.ops.fp8ops.*)
-from fp8ops.ops import backend, emulation_grouped
+from fp8ops.ops import emulation_grouped
+# (the same GPU and extension needed: that module's skip skips this one too)
+from test_expert_casts_gpu import _poison, _same
 
 pytestmark = pytest.mark.gpu
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 _ops = torch.ops.fp8ops
-
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    if not backend.extension_loaded():
-        return f"fp8ops._C not loaded: {backend._state['why_not']}"
-    return None
-
-
-_reason = _skip_reason()
-if _reason is not None:
-    pytest.skip(_reason, allow_module_level=True)
 
 SIZES = {
     "balanced": [256, 256, 256, 256],
@@ -37,16 +25,6 @@ SIZES = {
     "tail": [100, 50, 30],  # and 9 rows past the last group
 }
 COLS = {"aligned": 512, "ragged": 141}
-
-
-def _poison():
-    torch.full((1 << 26,), 255, dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
-
-
-def _same(a, b, what):
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
 
 
 def _problem(case, cols, dtype, seed=0):

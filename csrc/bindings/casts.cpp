@@ -425,12 +425,7 @@ FusedCast quantize_current_cuda(const at::Tensor& x, at::ScalarType dtype, doubl
   // one launch after the amax: the cast takes its scale from the amax and publishes it
   auto [data, data_t] = fp8_outputs(xc, dtype, transpose);
   fp8ops::QuantizeParams p = cast_params(xc, dtype, transpose, stochastic, seed, offset, rng, data, data_t);
-  p.scale_amax = amax.data_ptr<float>();
-  p.fp8_max = fp8_max_of(dtype);
-  p.margin = static_cast<float>(margin);
-  p.power_of_two = power_of_two;
-  p.out_scale = scale.data_ptr<float>();
-  p.out_scale_inv = scale_inv.data_ptr<float>();
+  take_scale_from_amax(p, amax, dtype, margin, power_of_two, scale, scale_inv);
   fp8ops::launch_quantize(p, stream_of(xc));
   advance_rng(stochastic, rng);
   return {data, data_t, scale, scale_inv, column_sums(xc, sum_dtype)};

@@ -72,6 +72,19 @@ inline fp8ops::DType to_dtype(at::ScalarType t) {
 // The largest finite value of an FP8 dtype (E4M3 or E5M2).
 inline float fp8_max_of(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f; }
 
+// A cast that takes its scale from the amax on the device (current scaling) and publishes the
+// scale and its reciprocal: the QuantizeParams fields of that, as quantize_current sets them.
+inline void take_scale_from_amax(fp8ops::QuantizeParams& p, const at::Tensor& amax, at::ScalarType dtype,
+                                 double margin, bool power_of_two, const at::Tensor& scale,
+                                 const at::Tensor& scale_inv) {
+  p.scale_amax = amax.data_ptr<float>();
+  p.fp8_max = fp8_max_of(dtype);
+  p.margin = static_cast<float>(margin);
+  p.power_of_two = power_of_two;
+  p.out_scale = scale.data_ptr<float>();
+  p.out_scale_inv = scale_inv.data_ptr<float>();
+}
+
 inline void check_cuda(const at::Tensor& t, const char* name) {
   FP8OPS_CHECK(t.is_cuda(), "fp8ops: ", name, " must be a CUDA tensor, got ", t.device().str());
 }

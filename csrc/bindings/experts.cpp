@@ -67,12 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_experts_curr
   at::Tensor scale = at::empty({w.size(0)}, f32), scale_inv = at::empty({w.size(0)}, f32);
   auto [data, data_t] = expert_outputs(wc, dtype, transpose);
   fp8ops::QuantizeParams p = expert_params(wc, dtype, data, data_t, transpose);
-  p.scale_amax = amax.data_ptr<float>();
-  p.fp8_max = fp8_max_of(dtype);
-  p.margin = static_cast<float>(margin);
-  p.power_of_two = power_of_two;
-  p.out_scale = scale.data_ptr<float>();
-  p.out_scale_inv = scale_inv.data_ptr<float>();
+  take_scale_from_amax(p, amax, dtype, margin, power_of_two, scale, scale_inv);
   fp8ops::launch_quantize_experts(p, w.size(0), stream_of(wc));
   return {data, data_t, scale, scale_inv};
 }
