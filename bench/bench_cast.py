@@ -5,8 +5,10 @@ GB/s counts bytes read + written (a fused op's every output counted as written).
 the median of many CUDA-event-timed runs with the L2 flushed before each, on fresh random inputs.
 The fused casts a training step calls (ops.quantize_current, quantize_delayed,
 quantize_blockwise_pair, quantize_mx_pair, with dY's column sums) are also timed as the unfused
-ops they stand for (fp8ops/ops/fused.py), each with its own kernel: what the fusion saves. The byte
-transpose (transpose_fp8) reads the E4M3 cast of the input. Prints a
+ops they stand for (fp8ops/ops/fused.py), each with its own kernel: what the fusion saves; the
+mixture-of-experts casts (8 experts' weights in one launch, 8 groups of sorted tokens) likewise
+against what they stand for (a loop of the dense op per expert; the emulation's composition of
+torch ops). The byte transpose (transpose_fp8) reads the E4M3 cast of the input. Prints a
 markdown table and writes it to bench/results/cast.md, with a plot in bench/results/cast.png.
 
     python bench/bench_cast.py [--max-mb 1024] [--iters 30] [--no-compile] [--sizes-mb 64,256]
@@ -63,6 +65,7 @@ def _cases(x, scale):
         # the dgrad copy of a weight that arrives cast (FSDP2's FP8 gather): bytes in, bytes out
         "transpose_fp8": (lambda: ops.transpose_fp8(q), lambda: emu.transpose_fp8(q), 2 * n, None),
         **_fused_cases(x, ops, fused),
+        **_moe_cases(x, ops),
     }
 
 
@@ -99,6 +102,43 @@ def _fused_cases(x, ops, fused):
                                  + rows * cols_p // 32 + rows_p * cols_p // 32),
     }
     return {name: (fn, None, nbytes, unfused) for name, (fn, unfused, nbytes) in out.items()}
+
+
+MOE_GROUPS = 8
+
+
+def _moe_cases(x, ops):
+    """The casts of a mixture-of-experts layer with the transposed copies: the experts' weights
+    (x as [8, rows / 8, cols]: one launch for all experts) against their meaning, a loop of the
+    dense op per expert; and the tokens sorted by expert (x's rows in 8 equal groups, the
+    offsets on the device) against the composition of torch ops the emulation runs. Bytes: x
+    read once, both copies written, the scales."""
+    from fp8ops.ops import emulation_grouped, expert_casts
+
+    rows, cols = x.shape
+    e = MOE_GROUPS
+    w = x[: rows - rows % e].view(e, -1, cols)
+    n = w.numel()
+    per = rows // e
+    offsets = torch.arange(1, e + 1, device=x.device, dtype=torch.int32) * per
+    scales = torch.full((e,), 2.0, device=x.device)
+    out = {
+        "experts current (+T), 8": (
+            lambda: ops.quantize_experts_current(w, E4M3, 1.0, False, True),
+            lambda: expert_casts._loop_current(w, E4M3, 1.0, False, True), 4 * n + 8 * e),
+        "experts scaled (+T), 8": (
+            lambda: ops.quantize_experts_scaled(w, scales, E4M3, True),
+            lambda: expert_casts._loop_scaled(w, scales, E4M3, True), 4 * n + 8 * e),
+        "grouped current (+T), 8": (
+            lambda: ops.quantize_current_grouped(x, offsets, E4M3, 1.0, False, True),
+            lambda: emulation_grouped.quantize_current_grouped(x, offsets, E4M3, 1.0, False, True),
+            4 * x.numel() + 8 * e),
+        "grouped scaled (+T), 8": (
+            lambda: ops.quantize_scaled_grouped(x, offsets, scales, E4M3, True),
+            lambda: emulation_grouped.quantize_scaled_grouped(x, offsets, scales, E4M3, True),
+            4 * x.numel() + 8 * e),
+    }
+    return {name: (fn, None, nbytes, meaning) for name, (fn, meaning, nbytes) in out.items()}
 
 
 def _role_buffers(device):
@@ -162,7 +202,7 @@ def main(argv=None):
                     print(f"torch.compile failed for {name}: {type(e).__name__}: {e}", file=sys.stderr)
             rows_out.append((mb, name, t, gbs, gbs / copy_gbs, nbytes / t_emu / 1e6,
                              nbytes / t_unfused / 1e6))
-            other = (f"unfused ops {nbytes / t_unfused / 1e6:7.0f} GB/s" if unfused_fn else
+            other = (f"what it stands for {nbytes / t_unfused / 1e6:7.0f} GB/s" if unfused_fn else
                      f"compiled emulation {nbytes / t_emu / 1e6:7.0f} GB/s")
             print(f"{mb:5d} MB  {name:28s} {gbs:7.0f} GB/s  {gbs / copy_gbs:5.2f} x copy  {other}",
                   flush=True)
@@ -182,7 +222,7 @@ def main(argv=None):
         f"median of {args.iters} CUDA-event timings, L2 flushed (256 MB write) before each run"
         if args.device == "cuda" else f"median of {args.iters} wall-clock timings",
         "",
-        "| input MB | op | ms | GB/s | vs copy | torch.compile(emulation) GB/s | unfused ops GB/s |",
+        "| input MB | op | ms | GB/s | vs copy | torch.compile(emulation) GB/s | what it stands for GB/s |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for mb, name, t, gbs, ratio, emu, unfused in rows_out:
