@@ -86,6 +86,16 @@ def train(model, rank=0, experts=4, steps=STEPS, on_step=None):
     return losses
 
 
+def mid_window(model, rank=0):
+    """One optimizer step, then the next step's first micro-batch: the state a checkpoint taken
+    inside an accumulation window holds (the experts' cast the next micro-batch reuses, whose
+    scales `weight_cast_scale` keeps)."""
+    train(model, rank, steps=1)
+    x, offsets, y = batch(1, 0, rank)
+    (F.mse_loss(model(x, offsets), y) / MICRO).backward()
+    return full_state(model)
+
+
 def evaluate(model):
     """A forward in eval mode (casts with the trained scales, records nothing)."""
     model.eval()
@@ -192,6 +202,10 @@ def _delayed_worker(rank, out_dir):
         model = shard(make_model(recipe), reshard)
         res["eval", reshard] = {"losses": train(model, on_step=lambda step: evaluate(model)),
                                 "state": full_state(model)}
+    for reshard in (True, False):
+        for fp8 in (True, False):
+            res["mid", reshard, fp8] = mid_window(shard(make_model(recipe, fp8_all_gather=fp8),
+                                                        reshard))
     model = shard(make_model(recipe), reshard_after_forward=False)
     x, offsets, _ = batch(0, 0, rank)
     model(x, offsets)
@@ -220,6 +234,7 @@ def single():
         out["delayed_eval"] = {"losses": train(model, on_step=lambda step: evaluate(model)),
                                "state": full_state(model)}
         out["uneven"] = run_single(make_model(RECIPES["current"], experts=3), experts=3)
+        out["delayed_mid"] = mid_window(make_model(DELAYED))
     finally:
         torch.set_num_threads(threads)
     return out
@@ -357,3 +372,18 @@ def test_delayed_grouped_states_agree_across_ranks(delayed):
 def test_delayed_grouped_all_gather_carries_fp8(delayed):
     for res in delayed:
         assert res["gathered"] == [("FP8GatheredWeight", torch.float8_e4m3fn)] * 2
+
+
+def test_delayed_grouped_checkpoint_inside_a_window_keeps_the_cast_scales(delayed, single):
+    # saved between two micro-batches: the scales of the experts' cast the next micro-batch
+    # reuses, as one process saves them (a resumed run casts with them, not with new ones)
+    want = single["delayed_mid"]
+    assert all(torch.count_nonzero(want[f"{layer}.fp8_state.weight_cast_scale"]) == 4
+               for layer in ("up", "down"))
+    for rank, res in enumerate(delayed):
+        for reshard in (True, False):
+            for fp8 in (True, False):  # the FP8 and the high-precision gather
+                got = res["mid", reshard, fp8]
+                assert got.keys() == want.keys()
+                for k, v in want.items():
+                    assert torch.equal(got[k], v), (rank, reshard, fp8, k, got[k], v)

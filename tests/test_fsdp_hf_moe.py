@@ -76,6 +76,14 @@ def train(model, steps=STEPS):
     return losses
 
 
+def mid_window(model):
+    """One optimizer step, then the next step's first micro-batch: what a checkpoint taken
+    inside an accumulation window holds."""
+    train(model, steps=1)
+    (model(**batch(1, 0)).loss / MICRO).backward()
+    return full_state(model)
+
+
 def full_state(model):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in model.state_dict().items()}
@@ -95,6 +103,9 @@ def _worker(rank, out_dir):
         model = shard(make_model(recipe))
         res[name] = {"losses": train(model), "state": full_state(model),
                      "kinds": local_kinds(model)}
+    # a checkpoint between two micro-batches keeps the scales of the cast the next one reuses
+    for reshard in (True, False):
+        res["mid", reshard] = mid_window(shard(make_model(RECIPES["delayed"]), reshard))
     # what the experts compute with: the gathered FP8 bytes
     for name in ("current", "delayed"):
         model = shard(make_model(RECIPES[name]), reshard_after_forward=False)
@@ -130,6 +141,7 @@ def single():
         for name, recipe in RECIPES.items():
             model = make_model(recipe)
             out[name] = {"losses": train(model), "state": full_state(model)}
+        out["mid"] = mid_window(make_model(RECIPES["delayed"]))
     finally:
         torch.set_num_threads(threads)
     return out
@@ -168,3 +180,15 @@ def test_hf_experts_all_gather_carries_fp8(sharded):
 def test_hf_experts_checkpoint_holds_plain_tensors(sharded):
     for res in sharded:
         assert res["checkpoint_local_types"] == ["Tensor"]
+
+
+def test_hf_experts_checkpoint_inside_a_window_keeps_the_cast_scales(sharded, single):
+    want = single["mid"]
+    scales = [k for k in want if k.endswith("weight_cast_scale") and ".experts." in k]
+    assert scales and all(torch.count_nonzero(want[k]) == 4 for k in scales), scales
+    for rank, res in enumerate(sharded):
+        for reshard in (True, False):
+            got = res["mid", reshard]
+            assert got.keys() == want.keys()
+            for k, v in want.items():
+                assert torch.equal(got[k], v), (rank, reshard, k, got[k], v)
