@@ -136,6 +136,49 @@ def test_mixtral_trains_under_autocast(recipe):
     assert fp8.model.layers[0].mlp.experts.down_proj.dtype == torch.float32
 
 
+def _train_mixtral(model, opt, steps=3):
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        loss = model(**_batch(gen)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", [None, fp8ops.DelayedScaling()], ids=["current", "delayed"])
+def test_mixtral_in_bf16_trains_with_fp8adamw(recipe):
+    """bf16 parameters and FP8AdamW (no float32 copy of any weight): the experts' 3-D weights
+    are stepped with stochastic rounding, and their casts follow every step."""
+    fp8 = fp8ops.convert_to_fp8(_model("mixtral", dtype=torch.bfloat16), recipe)
+    ref = fp8ops.convert_to_fp8(_model("mixtral", dtype=torch.bfloat16), recipe)
+    experts = fp8.model.layers[0].mlp.experts
+    before = experts.gate_up_proj.detach().clone()
+    opt = fp8ops.FP8AdamW(fp8.parameters(), lr=1e-3, min_fp8_numel=16)
+    got = _train_mixtral(fp8, opt)
+    want = _train_mixtral(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    assert got[0] == want[0]  # the same first step
+    assert got == pytest.approx(want, rel=0.02)
+    assert experts.gate_up_proj.dtype == torch.bfloat16
+    assert not torch.equal(experts.gate_up_proj, before)
+    assert opt.state[experts.gate_up_proj]["m"].dtype == torch.float8_e4m3fn  # FP8 moments
+
+
+def test_mixtral_trains_under_cpu_offload():
+    """CPUOffloadOptimizer with converted experts: their 3-D weights are ordinary parameters of
+    the offloaded optimizer (a host master each), stepped there and copied back, and the
+    experts' casts follow every step: the losses are AdamW's on the device, to float32 noise."""
+    fp8 = fp8ops.convert_to_fp8(_model("mixtral"))
+    ref = fp8ops.convert_to_fp8(_model("mixtral"))
+    got = _train_mixtral(fp8, fp8ops.CPUOffloadOptimizer(fp8.parameters(), torch.optim.AdamW,
+                                                          lr=1e-3))
+    want = _train_mixtral(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    assert got[0] == want[0]
+    assert got == pytest.approx(want, rel=1e-3)
+
+
 def test_save_pretrained_round_trip_is_exact(tmp_path):
     model = _model("mixtral")
     names = [n for n, _ in model.named_parameters()]
