@@ -308,6 +308,23 @@ def test_every_grouped_op_has_samples():
     assert set(_op_samples()) == set(SCHEMAS)
 
 
+@pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_wgrad", "grouped_gemm_blockwise",
+                                  "grouped_gemm_wgrad_blockwise"])
+def test_the_cuda_loops_take_the_dense_op_as_each_groups_gemm(name):
+    """On CUDA, a grouped GEMM the Hopper kernel does not take (a bias, row-wise or block
+    scales, another GPU) loops over the groups with the dense GEMM op as each group's GEMM.
+    Run here on CPU tensors, where the dense op is the emulation's own GEMM: the bytes must be
+    the emulation's, every argument reaching the right place (empty groups included)."""
+    from fp8ops.ops import emulation_grouped, grouped
+    cuda_impl = (grouped._routed(name, grouped._ROUTED[name]) if name in grouped._ROUTED
+                 else grouped._per_group_dense(name))
+    for args in _op_samples()[name]:
+        if name in grouped._ROUTED:  # (CPU tensors: never the Hopper kernel's)
+            bias = None if "wgrad" in name else args[5]
+            assert not grouped.sm90_suits(name, *args[:5], bias, args[-1])
+        _same(cuda_impl(*args), getattr(emulation_grouped, name)(*args))
+
+
 @pytest.mark.parametrize("name, index", [(n, i) for n, c in _op_samples().items()
                                          for i in range(len(c))])
 def test_opcheck(name, index):

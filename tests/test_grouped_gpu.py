@@ -131,18 +131,67 @@ def test_grouped_wgrad_kernel_matches_references(case, out_dtype):
         lo = hi
 
 
-def test_what_the_kernel_does_not_take_runs_the_emulation_bit_for_bit():
+def _groups(sizes):
+    lo = 0
+    for size in sizes:
+        yield lo, lo + size
+        lo += size
+
+
+def test_what_the_kernel_does_not_take_runs_the_dense_op_per_group():
     sizes = SIZES["empty"]
     E, N, K, M = len(sizes), 128, 256, sum(sizes)
     a, b, offsets = _fp8((M, K), E4M3, 9), _fp8((E, N, K), E4M3, 10, 0.05), _offsets(sizes)
     sa, sb = _scales(E, 11), _scales(E, 12)
     bias = torch.randn(E, N, device="cuda")
-    rowwise = torch.rand(M, 1, device="cuda")
-    for args in [(a, b, offsets, sa, sb, bias, torch.bfloat16),       # a bias
-                 (a, b, offsets, rowwise, sb, None, torch.bfloat16),  # row-wise scales
-                 (a, b, offsets, sa, sb, None, torch.float16)]:       # an fp16 output
+    for args in [(a, b, offsets, sa, sb, bias, torch.bfloat16),   # a bias
+                 (a, b, offsets, sa, sb, None, torch.float16)]:   # an fp16 output
         assert not sm90_suits("grouped_gemm", *args)
-        assert torch.equal(_ops.grouped_gemm(*args), emulation_grouped.grouped_gemm(*args))
+        _poison()
+        out = _ops.grouped_gemm(*args)
+        for g, (lo, hi) in enumerate(_groups(sizes)):  # each group: the dense op's bytes
+            want = _ops.gemm(a[lo:hi], b[g], sa[g], sb[g], args[5] if args[5] is None
+                             else args[5][g], args[6])
+            assert torch.equal(out[lo:hi], want), (g, args[6])
+    # row-wise scales: the dense op takes one scale per operand, so the emulation's GEMM
+    rowwise = (a, b, offsets, torch.rand(M, 1, device="cuda"), sb, None, torch.bfloat16)
+    assert torch.equal(_ops.grouped_gemm(*rowwise), emulation_grouped.grouped_gemm(*rowwise))
+
+
+def test_blockwise_groups_run_the_dense_blockwise_op():
+    """grouped_gemm_blockwise and its wgrad on CUDA: each group the dense gemm_blockwise op
+    (the CUTLASS blockwise kernel on Hopper), its bytes, and close to a float64 product."""
+    sizes = SIZES["empty"] + [130]
+    E, N, K, M = len(sizes), 256, 384, sum(sizes)
+    a, b, offsets = _fp8((M, K), E4M3, 23), _fp8((E, N, K), E4M3, 24, 0.05), _offsets(sizes)
+    sa = torch.rand(M, K // 128, device="cuda") * 0.01 + 0.001
+    sb = torch.rand(E, N // 128, K // 128, device="cuda") * 0.01 + 0.001
+    _poison()
+    out = _ops.grouped_gemm_blockwise(a, b, offsets, sa, sb, None, torch.bfloat16)
+    for g, (lo, hi) in enumerate(_groups(sizes)):
+        want = _ops.gemm_blockwise(a[lo:hi], b[g], sa[lo:hi], sb[g], None, torch.bfloat16)
+        assert torch.equal(out[lo:hi], want), g
+        ad = a[lo:hi].double() * sa[lo:hi].double().repeat_interleave(128, 1)
+        bd = b[g].double() * sb[g].double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        ref = ad @ bd.t()
+        mag = ad.abs() @ bd.abs().t()
+        _check(out[lo:hi], ref, mag, torch.bfloat16, f"blockwise group {g}")
+    # the wgrad: 1x128 blocks along M from each group's first row (packed scales)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    _, _, x_t, sx_t = _ops.quantize_blockwise_grouped(x, offsets, E4M3, False)
+    _, _, dy_t, sdy_t = _ops.quantize_blockwise_grouped(dy, offsets, E4M3, False)
+    _poison()
+    dw = _ops.grouped_gemm_wgrad_blockwise(dy_t, x_t, offsets, sdy_t, sx_t, torch.float32)
+    assert torch.equal(dw, emulation_grouped.grouped_gemm_wgrad_blockwise(
+        dy_t, x_t, offsets, sdy_t, sx_t, torch.float32, gemm=_ops.gemm_blockwise))
+    for g, (lo, hi) in enumerate(_groups(sizes)):
+        if hi == lo:
+            assert torch.equal(dw[g], torch.zeros_like(dw[g])), "an empty group's dW is zeros"
+            continue
+        ref = dy[lo:hi].double().t() @ x[lo:hi].double()
+        mag = dy[lo:hi].double().abs().t() @ x[lo:hi].double().abs()
+        assert ((dw[g].double() - ref).abs() <= 0.13 * mag + 1e-6).all(), g  # two E4M3 roundings
 
 
 def test_no_host_sync_replays_in_a_cuda_graph_with_new_offsets():

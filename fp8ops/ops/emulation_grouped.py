@@ -11,7 +11,7 @@ exception: all groups at once on the device, with the same bytes (their docstrin
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -85,10 +85,13 @@ def _check_scales(op: str, scale: torch.Tensor, shapes, what: str) -> None:
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                  a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype, *,
+                 gemm: Optional[Callable] = None) -> torch.Tensor:
     """Y_g = (a_g @ b[g]^T) * scales (+ bias[g]) for a [M, K], b [E, N, K]: emulation.gemm per
     group. a_scale_inv: [E] (one per group) or [M, 1] (one per row); b_scale_inv: [E] (one per
-    expert) or [E, N] (one per output column)."""
+    expert) or [E, N] (one per output column). gemm: the per-group GEMM instead of
+    emulation.gemm (on CUDA, the dense op, whose kernels then serve each group)."""
+    gemm = emulation.gemm if gemm is None else gemm
     M, E, N = a.shape[0], b.shape[0], b.shape[1]
     _check_scales("grouped_gemm", a_scale_inv, [(E,), (M, 1)], "a_scale_inv")
     _check_scales("grouped_gemm", b_scale_inv, [(E,), (E, N)], "b_scale_inv")
@@ -96,30 +99,32 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     for g, (lo, hi) in enumerate(group_bounds("grouped_gemm", offsets, M, E)):
         sa = a_scale_inv[g] if a_scale_inv.dim() == 1 else a_scale_inv[lo:hi]
         sb = b_scale_inv[g] if b_scale_inv.dim() == 1 else b_scale_inv[g].unsqueeze(0)
-        out[lo:hi] = emulation.gemm(a[lo:hi], b[g], sa, sb, None if bias is None else bias[g],
-                                    out_dtype)
+        out[lo:hi] = gemm(a[lo:hi], b[g], sa, sb, None if bias is None else bias[g], out_dtype)
     return out
 
 
 def grouped_gemm_blockwise(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                            a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-                           bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+                           bias: Optional[torch.Tensor], out_dtype: torch.dtype, *,
+                           gemm: Optional[Callable] = None) -> torch.Tensor:
     """grouped_gemm with block scales: a [M, K] in 1x128 blocks (a_scale_inv [M, Kb]), b
     [E, N, K] in 128x128 blocks ([E, Nb, Kb]) or 1x128 ones ([E, N, Kb]):
-    emulation.gemm_blockwise per group."""
+    emulation.gemm_blockwise per group (or `gemm`, as grouped_gemm takes it)."""
+    gemm = emulation.gemm_blockwise if gemm is None else gemm
     M, E, N = a.shape[0], b.shape[0], b.shape[1]
     out = _rows_out(a, N, out_dtype)
     for g, (lo, hi) in enumerate(group_bounds("grouped_gemm_blockwise", offsets, M, E)):
-        out[lo:hi] = emulation.gemm_blockwise(a[lo:hi], b[g], a_scale_inv[lo:hi], b_scale_inv[g],
-                                              None if bias is None else bias[g], out_dtype)
+        out[lo:hi] = gemm(a[lo:hi], b[g], a_scale_inv[lo:hi], b_scale_inv[g],
+                          None if bias is None else bias[g], out_dtype)
     return out
 
 
 def grouped_gemm_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                        a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-                       out_dtype: torch.dtype) -> torch.Tensor:
+                       out_dtype: torch.dtype, *, gemm: Optional[Callable] = None) -> torch.Tensor:
     """dW_g = dY_g^T X_g, grouped along M: a = dY^T [N, M], b = X^T [K, M] (K-major, as the
-    dense wgrad takes them), per-group scales [E] each; out [E, N, K]."""
+    dense wgrad takes them), per-group scales [E] each; out [E, N, K]. gemm: as grouped_gemm."""
+    gemm = emulation.gemm if gemm is None else gemm
     check_offsets_meta("grouped_gemm_wgrad", offsets)
     E, M = offsets.shape[0], a.shape[1]
     _check_scales("grouped_gemm_wgrad", a_scale_inv, [(E,)], "a_scale_inv")
@@ -127,26 +132,27 @@ def grouped_gemm_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     out = torch.empty(E, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     for g, (lo, hi) in enumerate(group_bounds("grouped_gemm_wgrad", offsets, M)):
         # contiguous like the dense wgrad's operands: the same matmul, the same bytes
-        out[g] = emulation.gemm(a[:, lo:hi].contiguous(), b[:, lo:hi].contiguous(),
-                                a_scale_inv[g], b_scale_inv[g], None, out_dtype)
+        out[g] = gemm(a[:, lo:hi].contiguous(), b[:, lo:hi].contiguous(), a_scale_inv[g],
+                      b_scale_inv[g], None, out_dtype)
     return out
 
 
 def grouped_gemm_wgrad_blockwise(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                                  a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-                                 out_dtype: torch.dtype) -> torch.Tensor:
+                                 out_dtype: torch.dtype, *,
+                                 gemm: Optional[Callable] = None) -> torch.Tensor:
     """grouped_gemm_wgrad with 1x128 blocks along M that start at each group's first row: the
     scales [N, packed] and [K, packed] hold each group's blocks one after another
-    (quantize_blockwise_grouped's transposed copy)."""
+    (quantize_blockwise_grouped's transposed copy). gemm: as grouped_gemm_blockwise."""
+    gemm = emulation.gemm_blockwise if gemm is None else gemm
     check_offsets_meta("grouped_gemm_wgrad_blockwise", offsets)
     E, M = offsets.shape[0], a.shape[1]
     out = torch.empty(E, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     bounds = group_bounds("grouped_gemm_wgrad_blockwise", offsets, M)
     for g, ((lo, hi), s) in enumerate(zip(bounds, block_starts(bounds))):
         nb = -(-(hi - lo) // BLOCK)
-        out[g] = emulation.gemm_blockwise(
-            a[:, lo:hi].contiguous(), b[:, lo:hi].contiguous(), a_scale_inv[:, s:s + nb],
-            b_scale_inv[:, s:s + nb], None, out_dtype)
+        out[g] = gemm(a[:, lo:hi].contiguous(), b[:, lo:hi].contiguous(),
+                      a_scale_inv[:, s:s + nb], b_scale_inv[:, s:s + nb], None, out_dtype)
     return out
 
 

@@ -4,7 +4,9 @@ Tokens sorted by expert, `offsets` int32 [E] the cumulative end row of each grou
 of torch._grouped_mm); emulation_grouped.py is their meaning (a loop over the groups of the dense
 ops); it serves CUDA tensors too, except where the Hopper kernel takes the GEMM (below) and
 where the CUDA extension registers its own kernels (quantize_current_grouped and
-quantize_scaled_grouped: csrc/cast_grouped.cu, the bytes the same).
+quantize_scaled_grouped: csrc/cast_grouped.cu, the bytes the same). On CUDA the GEMMs the Hopper
+kernel does not take (blockwise scales, a bias, an fp16 output, another GPU) loop over the
+groups with the dense GEMM op as each group's GEMM, so that its kernels serve them.
 
   grouped_gemm            Y_g = X_g W_g^T, a [M, K], b [E, N, K]; scales per group [E] or per
                           row [M, 1] for a, per expert [E] or per output column [E, N] for b
@@ -72,7 +74,12 @@ def register(lib: torch.library.Library, kernel) -> None:
         lib.impl(name, impl, "CPU")
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{name}", "CUDA"):
             routed = _ROUTED.get(name)
-            lib.impl(name, kernel(_routed(name, routed)) if routed else impl, "CUDA")
+            if routed:
+                lib.impl(name, kernel(_routed(name, routed)), "CUDA")
+            elif name in _PER_GROUP_DENSE:
+                lib.impl(name, kernel(_per_group_dense(name)), "CUDA")
+            else:
+                lib.impl(name, impl, "CUDA")
         lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
     for name, fake in _FAKES.items():
         torch.library.register_fake(f"fp8ops::{name}", fake, lib=lib)
@@ -98,7 +105,8 @@ def sm90_suits(name: str, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dty
     bfloat16 or float32 output whose rows are 16-byte multiples and (forward/dgrad) K a multiple
     of 16."""
     kernel = _ROUTED[name]
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8ops::{kernel}", "CUDA"):
+    if a.device.type != "cuda" or not torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"fp8ops::{kernel}", "CUDA"):
         return False
     groups = offsets.shape[0]
     if (bias is not None or out_dtype not in (torch.bfloat16, torch.float32) or groups == 0
@@ -116,6 +124,29 @@ def sm90_suits(name: str, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dty
     return _is_hopper(a.device)
 
 
+# The GEMMs the Hopper grouped kernel does not take run a loop over the groups on CUDA as the
+# emulation does, each group's GEMM the dense op (its CUTLASS or cuBLASLt kernel where it has
+# one, on any CUDA GPU): every group's bytes are the dense op's on that group. (The dense op
+# takes one scale per operand: row-wise scales keep the emulation's float32 GEMM.) The loop
+# reads the offsets on the host, as the emulation does.
+_PER_GROUP_DENSE = {"grouped_gemm_blockwise": "gemm_blockwise",
+                    "grouped_gemm_wgrad_blockwise": "gemm_blockwise"}
+
+
+def _per_group_dense(name: str):
+    loop = getattr(emulation_grouped, name)
+    dense = getattr(torch.ops.fp8ops, _PER_GROUP_DENSE[name])
+
+    def run(*args):
+        return loop(*args, gemm=dense)
+    return run
+
+
+def _dense_per_group(a_scale_inv, b_scale_inv):
+    """The dense gemm op for a per-tensor grouped GEMM's groups, when it takes their scales."""
+    return torch.ops.fp8ops.gemm if a_scale_inv.dim() == 1 and b_scale_inv.dim() == 1 else None
+
+
 def _routed(name: str, kernel_name: str):
     emulated = getattr(emulation_grouped, name)
     sm90 = getattr(torch.ops.fp8ops, kernel_name)
@@ -123,7 +154,8 @@ def _routed(name: str, kernel_name: str):
     def run(a, b, offsets, a_scale_inv, b_scale_inv, *rest):
         bias, out_dtype = (rest[0], rest[1]) if name == "grouped_gemm" else (None, rest[0])
         if not sm90_suits(name, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dtype):
-            return emulated(a, b, offsets, a_scale_inv, b_scale_inv, *rest)
+            return emulated(a, b, offsets, a_scale_inv, b_scale_inv, *rest,
+                            gemm=_dense_per_group(a_scale_inv, b_scale_inv))
         # (dtype and shape checked too; sm90_suits made sure of the group count)
         emulation_grouped.check_offset_values(
             name, offsets, a.shape[0] if name == "grouped_gemm" else a.shape[1])
