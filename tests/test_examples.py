@@ -210,12 +210,10 @@ def _torchrun(*args, nproc=2):
                           env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
 
 
-def test_train_gpt_fsdp_tiny(tmp_path):
-    """torchrun with 2 gloo processes and --fsdp gives the single-process loss table: each rank
-    trains on its half of every batch, FSDP2 averages the gradients. Float32 sums in another
-    order (baseline; DelayedScaling, whose amaxes are all-reduced): 1e-4. CurrentScaling casts
-    activations and gradients with each rank's own amax: 5e-3."""
-    args = ["--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
+def _single_then_fsdp(tmp_path, *extra):
+    """The tiny demo (baseline, delayed, current) in one process, then under torchrun --fsdp on
+    2 gloo processes: torchrun's output and both runs' results."""
+    args = [*extra, "--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
             "baseline,delayed,current", "--no-progress", "--out-dir", str(tmp_path)]
     single = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
                              *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -223,20 +221,34 @@ def test_train_gpt_fsdp_tiny(tmp_path):
     assert single.returncode == 0, single.stdout + single.stderr
     proc = _torchrun("--fsdp", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    md = (tmp_path / "results_fsdp.md").read_text()
-    assert "FSDP2 over 2 ranks (gloo" in md and md in proc.stdout
-    assert proc.stdout.count("| baseline |") == 1  # rank 0 alone prints
-    assert (tmp_path / "results.md").read_text() != md  # the single-process table stays
-    assert (tmp_path / "loss_curves_fsdp.png").exists()
     one = json.loads((tmp_path / "results.json").read_text())["results"]
     fsdp = json.loads((tmp_path / "results_fsdp.json").read_text())["results"]
+    return proc, one, fsdp
+
+
+def _assert_fsdp_follows(one, fsdp):
+    """Float32 sums in another order (baseline; DelayedScaling, whose amaxes are all-reduced):
+    1e-4. CurrentScaling casts activations and gradients with each rank's own amax: 5e-3. Rank 0
+    holds half the device state."""
     for a, b in zip(one, fsdp, strict=True):
         tol = 5e-3 if a["name"] == "current" else 1e-4
         got = b["train_curve"] + [v for _, v in b["val_curve"]]
         want = a["train_curve"] + [v for _, v in a["val_curve"]]
         assert len(got) == len(want) == 6
         assert max(abs(x - y) for x, y in zip(got, want)) < tol, (a["name"], got, want)
-        assert b["device_state_mib"] < 0.6 * a["device_state_mib"]  # rank 0 holds half
+        assert b["device_state_mib"] < 0.6 * a["device_state_mib"]
+
+
+def test_train_gpt_fsdp_tiny(tmp_path):
+    """torchrun with 2 gloo processes and --fsdp gives the single-process loss table: each rank
+    trains on its half of every batch, FSDP2 averages the gradients."""
+    proc, one, fsdp = _single_then_fsdp(tmp_path)
+    md = (tmp_path / "results_fsdp.md").read_text()
+    assert "FSDP2 over 2 ranks (gloo" in md and md in proc.stdout
+    assert proc.stdout.count("| baseline |") == 1  # rank 0 alone prints
+    assert (tmp_path / "results.md").read_text() != md  # the single-process table stays
+    assert (tmp_path / "loss_curves_fsdp.png").exists()
+    _assert_fsdp_follows(one, fsdp)
 
 
 def test_train_gpt_fsdp_errors(tmp_path):
@@ -271,26 +283,10 @@ def test_train_gpt_moe_tiny(tmp_path):
 
 def test_train_gpt_fsdp_moe_tiny(tmp_path):
     """--fsdp --moe: the experts' 3-D parameters sharded with their block and gathered in FP8
-    train as one process does, to the tolerances of the dense table (delayed scaling's amaxes
-    are all-reduced: float32 sums in another order; current scaling takes each rank's own amax
-    for activations and gradients)."""
-    args = ["--moe", "--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
-            "baseline,delayed,current", "--no-progress", "--out-dir", str(tmp_path)]
-    single = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
-                             *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                            env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
-    assert single.returncode == 0, single.stdout + single.stderr
-    proc = _torchrun("--fsdp", *args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train as one process does, to the tolerances of the dense table."""
+    _, one, fsdp = _single_then_fsdp(tmp_path, "--moe")
     assert "MoE: 4 experts" in (tmp_path / "results_fsdp.md").read_text()
-    one = json.loads((tmp_path / "results.json").read_text())["results"]
-    fsdp = json.loads((tmp_path / "results_fsdp.json").read_text())["results"]
-    for a, b in zip(one, fsdp, strict=True):
-        tol = 5e-3 if a["name"] == "current" else 1e-4
-        got = b["train_curve"] + [v for _, v in b["val_curve"]]
-        want = a["train_curve"] + [v for _, v in a["val_curve"]]
-        assert max(abs(x - y) for x, y in zip(got, want)) < tol, (a["name"], got, want)
-        assert b["device_state_mib"] < 0.6 * a["device_state_mib"]  # rank 0 holds half
+    _assert_fsdp_follows(one, fsdp)
 
 
 def test_moe_experts_go_to_fp8():
