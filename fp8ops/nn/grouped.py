@@ -142,16 +142,9 @@ def _delayed_expert_cast(recipe, state: ExpertScalingState):
     return cast
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def _warm_row_scales(x, offsets, role, fmt, recipe, margin: float) -> torch.Tensor:
     """Each group's scale from its own rows' amax (its role has recorded nothing yet), over all
     ranks' rows under torch.distributed."""
-    if not _distributed():
-        return _ops.quantize_current_grouped(x, offsets, fmt.dtype, margin, recipe.power_of_two,
-                                             False)[2]
     # the groups' amaxes (a cast's, its bytes unused: a warm start happens once)
     ones = torch.ones(offsets.shape[0], dtype=_F32, device=x.device)
     amax = _ops.quantize_scaled_grouped(x, offsets, ones, fmt.dtype, False)[2]
@@ -161,8 +154,6 @@ def _warm_row_scales(x, offsets, role, fmt, recipe, margin: float) -> torch.Tens
 def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:
     """Each expert's scale from its own weight's amax (the weight role has recorded nothing
     yet), over all ranks' weights under torch.distributed (as the dense layer's warm start)."""
-    if not _distributed():
-        return quantize_experts_current(w, fmt.dtype, recipe.margin, recipe.power_of_two)[2]
     return role.warm_scale(experts_amax(w), fmt, recipe.margin, recipe)
 
 

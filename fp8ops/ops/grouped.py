@@ -142,7 +142,7 @@ def _per_group_dense(name: str):
     return run
 
 
-def _dense_per_group(a_scale_inv, b_scale_inv):
+def _dense_gemm_for(a_scale_inv, b_scale_inv):
     """The dense gemm op for a per-tensor grouped GEMM's groups, when it takes their scales."""
     return torch.ops.fp8ops.gemm if a_scale_inv.dim() == 1 and b_scale_inv.dim() == 1 else None
 
@@ -155,7 +155,7 @@ def _routed(name: str, kernel_name: str):
         bias, out_dtype = (rest[0], rest[1]) if name == "grouped_gemm" else (None, rest[0])
         if not sm90_suits(name, a, b, offsets, a_scale_inv, b_scale_inv, bias, out_dtype):
             return emulated(a, b, offsets, a_scale_inv, b_scale_inv, *rest,
-                            gemm=_dense_per_group(a_scale_inv, b_scale_inv))
+                            gemm=_dense_gemm_for(a_scale_inv, b_scale_inv))
         # (dtype and shape checked too; sm90_suits made sure of the group count)
         emulation_grouped.check_offset_values(
             name, offsets, a.shape[0] if name == "grouped_gemm" else a.shape[1])
