@@ -359,7 +359,7 @@ def test_model_state_dict_has_the_weights_and_loads_into_a_plain_model():
 
 
 # -- the parameter of an offloaded FP8Linear weight, as user code touches it -------------------
-_OWNED_MSG = (r"parameter 'up\.weight' is an FP8Linear weight owned by a CPUOffloadOptimizer; its "
+_OWNED_MSG = (r"parameter 'up\.weight' is an FP8 weight owned by a CPUOffloadOptimizer; its "
               r"values are the optimizer's FP32 master on the host")
 _READS = {
     "norm": lambda w: w.norm(),
@@ -509,7 +509,7 @@ def test_moving_or_converting_an_offloaded_weight_raises_and_no_op_conversions_p
     layer.to("cpu").float().to(torch.float32).cpu()
     assert layer.weight.type() == "torch.FloatTensor"
     for convert in (layer.half, layer.double, lambda: layer.to(torch.bfloat16)):
-        with pytest.raises(RuntimeError, match="parameter 'weight' is an FP8Linear weight .* "
+        with pytest.raises(RuntimeError, match="parameter 'weight' is an FP8 weight .* "
                                                "move or convert the model before building"):
             convert()
     assert layer.weight.dtype == torch.float32 and layer.weight.untyped_storage().nbytes() == 4
@@ -561,7 +561,7 @@ def test_other_errors():
         pass
 
     model.up.weight = Tagged(model.up.weight.detach())
-    with pytest.raises(TypeError, match="parameter 'up.weight' is an FP8Linear weight of type .*"
+    with pytest.raises(TypeError, match="parameter 'up.weight' is an FP8 weight of type .*"
                                         "Tagged; only a plain nn.Parameter"):
         fp8ops.CPUOffloadOptimizer(model.named_parameters(), torch.optim.AdamW)
     assert model.up.weight.untyped_storage().nbytes() > 4  # a failed build changes nothing

@@ -3,7 +3,8 @@ kind), functional.py (fp8ops.linear), modules.py (FP8Linear, FP8Conv1D, convert_
 fallback.py (which calls run in high precision), grouped.py (fp8ops.grouped_linear and
 FP8GroupedLinear, the experts of mixture-of-experts layers), cast_stats.py (one cast's statistics,
 for fp8ops.monitor), activations.py (fp8_activations: norm and activation inputs saved in
-FP8) and caches.py (fp8ops.invalidate: every weight cache of a model). Built on fp8ops.scaling
+FP8) and caches.py (which weight cache casts which parameter, and fp8ops.invalidate: every
+weight cache of a model). Built on fp8ops.scaling
 (the recipes, the state, the weight cache)."""
 from .activations import fp8_activations
 from .fallback import Crossover

@@ -1,26 +1,61 @@
-"""fp8ops.invalidate(model): every cached FP8 weight cast of a model, dropped at once.
+"""The weight caches of the FP8 layers: which cache casts which parameter, every live module that
+has one (so that an optimizer given only parameters finds the layers that cast a weight:
+CPUOffloadOptimizer), and fp8ops.invalidate(model), every cached cast of a model dropped at once.
 
-The one write a weight cache cannot see is a `p.data` update between two steps of the optimizer
-that holds the weight (docs/numerics.md, "Weight cache"); after one, this recasts every weight
-at its next forward, whichever layers hold it: FP8Linear / FP8Conv1D (`fp8_state.weight_cache`),
-FP8GroupedLinear (`weight_cache`) and converted transformers experts (`fp8_weight_caches`).
+The caches: FP8Linear / FP8Conv1D (`fp8_state.weight_cache`), FP8GroupedLinear (`weight_cache`)
+and converted transformers experts (`fp8_weight_caches`, by parameter name). The one write a
+weight cache cannot see is a `p.data` update between two steps of the optimizer that holds the
+weight (docs/numerics.md, "Weight cache"); after one, invalidate() recasts every weight at its
+next forward.
 """
 from __future__ import annotations
+
+import weakref
 
 from torch import nn
 
 from ..scaling.weight_cache import WeightCache
+
+# every live module with a weight cache, weakly held (the layers add themselves when made,
+# copied or unpickled; convert_to_fp8 adds the transformers experts modules it converts)
+_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def track(module: nn.Module) -> None:
+    """Let readers_by_weight find `module`'s weight caches."""
+    _MODULES.add(module)
+
+
+def caches_by_name(mod: nn.Module) -> dict:
+    """{name of the parameter: the WeightCache that casts it} for mod's own parameters."""
+    named = dict(mod.__dict__.get("fp8_weight_caches", {}))
+    cache = mod.__dict__.get("weight_cache")
+    if cache is None:
+        cache = getattr(mod._modules.get("fp8_state"), "weight_cache", None)
+    if isinstance(cache, WeightCache):
+        named.setdefault("weight", cache)
+    return named
+
+
+def readers_by_weight(params) -> dict:
+    """{id(param): [(module, name)]}: the live FP8 modules whose parameter `name` is one of
+    `params` and has a weight cache (the layers that cast it)."""
+    wanted = {id(p) for p in params}
+    found: dict = {}
+    for mod in list(_MODULES):
+        for name in caches_by_name(mod):
+            p = mod._parameters.get(name)
+            if p is not None and id(p) in wanted:
+                found.setdefault(id(p), []).append((mod, name))
+    return found
 
 
 def weight_caches(model: nn.Module) -> list:
     """The WeightCache objects of `model`'s FP8 layers, each once."""
     found, seen = [], set()
     for mod in model.modules():
-        state = getattr(mod, "fp8_state", None)
-        held = [getattr(state, "weight_cache", None), mod.__dict__.get("weight_cache")]
-        held += list(mod.__dict__.get("fp8_weight_caches", {}).values())
-        for cache in held:
-            if isinstance(cache, WeightCache) and id(cache) not in seen:
+        for cache in caches_by_name(mod).values():
+            if id(cache) not in seen:
                 seen.add(id(cache))
                 found.append(cache)
     return found

@@ -35,6 +35,8 @@ module's 3-D parameters, are gathered in FP8 (distributed/fsdp.py): each rank ca
 experts, the gathered bytes and scales come as the weight, and the grouped GEMMs take them as
 they are (current, delayed and blockwise scaling; delayed scaling steps and records as the
 unsharded layer does, each rank casting its experts with their slice of the role's scales).
+When a CPUOffloadOptimizer owns the weight, the parameter is a placeholder and the cache casts
+the host master's values (optim/host_weight.py), once per optimizer step, as for a dense layer.
 Not here yet: MXFP8 and stochastic rounding.
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightC
                        grad_margin, recipe_formats)
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
+from . import caches
 from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype,
                        steps_state, takes_warm_scale, weight_grad)
 from .functional import check_operands
@@ -77,6 +80,9 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
     casts anew, once per accumulation window (the cache decides, as for the dense layer)."""
     cast = _fresh_expert_cast(recipe) if state is None else _delayed_expert_cast(recipe, state)
     live = state is not None and steps_state(state)
+    host = None if cache is None else cache.host
+    if host is not None:  # offloaded (CPUOffloadOptimizer): weight is a placeholder
+        cast = _from_host(cast, host)
     with torch.no_grad():
         if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp.py)
             return weight.expert_payload(cache, live)
@@ -85,6 +91,8 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
             return cast(weight, live, None)[0][1]
         # a delayed recompute (activation checkpointing) reuses its forward's cast on the key
         trust = KEY if state is not None and in_recompute() else GRADIENT
+        if host is not None:  # its values change only with the generation, as a dense layer's
+            trust = max(trust, BACKWARD)
         source = cache.source_tensor()
         if source is not None and source is not weight:
             # FSDP2's full weight gathered in high precision: its values change with the sharded
@@ -98,6 +106,14 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
             cache.invalidate()
             made, tensors = cache.get(weight, cast, live=live, trust=trust, source=source)
         return tensors
+
+
+def _from_host(cast, host):
+    """cast, applied to the host master's values (optim/host_weight.py) in the layout of the
+    placeholder it is given."""
+    def from_host(w, step, scale):
+        return cast(host.values_for(w), step, scale)
+    return from_host
 
 
 def _fresh_expert_cast(recipe):
@@ -454,6 +470,11 @@ class FP8GroupedLinear(nn.Module):
             self.fp8_state = ExpertScalingState(self.recipe, num_experts, device,
                                                 self.weight_cache)
         self.reset_parameters()
+        caches.track(self)
+
+    def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
+        super().__setstate__(state)
+        caches.track(self)
 
     def __setattr__(self, name, value):
         # FSDP2 sets its sharded parameter through setattr when a module defines it: there

@@ -23,11 +23,12 @@ leaves them out), and follow the module's device moves. Casts record in training
 Under FSDP2 (fully_shard after the conversion, before the first forward) the 3-D parameters are
 gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current, delayed and
 blockwise scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts
-module before its first forward to gather them in high precision.
+module before its first forward to gather them in high precision. A CPUOffloadOptimizer keeps
+the 3-D parameters on the device as their FP8 casts only (optim/offload.py), as FP8Linear
+weights; the module then stays converted (convert_from_fp8 refuses, as for an FP8Linear).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import weakref
@@ -40,6 +41,7 @@ from torch import nn
 from ..distributed import on_sharded_experts
 from ..scaling import BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache
 from ..scaling.expert_state import ExpertScalingState
+from . import caches
 from .grouped import grouped_linear
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
@@ -89,12 +91,10 @@ def convert_experts(module: nn.Module, recipe,
             raise NotImplementedError("convert_to_fp8: expert-parallel experts modules are not "
                                       "supported by the FP8 grouped layer yet")
         if not _has_recipe(mod, recipe):
-            mod.fp8_weight_caches = {name: WeightCache() for name in
-                                     ("gate_up_proj", "up_proj", "down_proj")
-                                     if isinstance(getattr(mod, name, None), nn.Parameter)}
+            mod.fp8_weight_caches = _new_caches(mod)
             _set_expert_states(mod, recipe)
         mod.fp8_recipe = recipe
-        mod.forward = functools.partial(fp8_experts_forward, mod)
+        mod.forward = _FP8Forward(mod)
         _await_sharding(mod)
         kinds[type(mod).__name__] += 1
     return kinds
@@ -150,6 +150,19 @@ def _offer_sharded(module: nn.Module, args) -> None:
             _stop_awaiting(mod)
 
 
+def _new_caches(mod: nn.Module) -> dict:
+    """A fresh weight cache per 3-D parameter. A weight a CPUOffloadOptimizer owns keeps its
+    host master (the parameter is a placeholder): the new cache casts from there too."""
+    old = mod.__dict__.get("fp8_weight_caches", {})
+    new = {}
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        if isinstance(getattr(mod, name, None), nn.Parameter):
+            new[name] = WeightCache()
+            if name in old:
+                new[name].host = old[name].host
+    return new
+
+
 def _has_recipe(mod: nn.Module, recipe) -> bool:
     """mod was converted with `recipe` already (dataclass equality leaves the process group out:
     compared by identity)."""
@@ -169,13 +182,37 @@ def _set_expert_states(mod: nn.Module, recipe) -> None:
 
 
 def restore_experts(module: nn.Module) -> None:
-    """Undo convert_experts: the experts modules take their class's forward again."""
-    for mod in module.modules():
-        if "fp8_recipe" in mod.__dict__:
-            del mod.fp8_recipe
-            mod.__dict__.pop("fp8_weight_caches", None)
-            mod.__dict__.pop("forward", None)
-            mod._modules.pop("fp8_state", None)
+    """Undo convert_experts: the experts modules take their class's forward again. Refused
+    while a CPUOffloadOptimizer owns a converted weight (only its FP8 cast is on the device)."""
+    converted = [mod for mod in module.modules() if "fp8_recipe" in mod.__dict__]
+    for mod in converted:
+        if any(c.host is not None for c in mod.__dict__.get("fp8_weight_caches", {}).values()):
+            raise ValueError("convert_from_fp8: this experts module's weights are owned by a "
+                             "CPUOffloadOptimizer (only their FP8 copy is on the device); take "
+                             "the weights from model.state_dict() instead")
+    for mod in converted:
+        del mod.fp8_recipe
+        mod.__dict__.pop("fp8_weight_caches", None)
+        mod.__dict__.pop("forward", None)
+        mod._modules.pop("fp8_state", None)
+
+
+class _FP8Forward:
+    """A converted experts module's forward (fp8_experts_forward bound to it). Its copy, made
+    with the module's by copy.deepcopy or pickle, tracks the copied module as convert_experts
+    tracked the original (nn.caches: an optimizer given the copy's parameters finds its weight
+    caches)."""
+
+    def __init__(self, mod: nn.Module):
+        self.mod = mod
+        caches.track(mod)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        caches.track(self.mod)
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        return fp8_experts_forward(self.mod, hidden_states, top_k_index, top_k_weights)
 
 
 def _weight(mod: nn.Module, name: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import step
+from . import caches, step
 from .autograd import is_gathered
 from .fallback import Fallback, check_fallback, runs_fp8
 from .functional import linear
@@ -19,10 +19,6 @@ from .hf_moe import convert_experts, restore_experts
 from ..scaling import ScalingState, check_recipe
 
 logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 documents
-
-# every live FP8Linear, so that an optimizer given only parameters can find the layers that
-# read a weight (CPUOffloadOptimizer)
-_LAYERS: "weakref.WeakSet[FP8Linear]" = weakref.WeakSet()
 
 # the device types whose autocast state a call reads (torch.is_autocast_enabled raises for others,
 # such as meta)
@@ -33,17 +29,6 @@ _AUTOCAST_DEVICES = ("cuda", "cpu")
 # the gathered copy in and out). fp8ops.distributed installs its FP8 all-gather here; the layers
 # know nothing of it.
 SHARDED_WEIGHT_HOOKS: list = []
-
-
-def layers_by_weight(params) -> dict:
-    """{id(param): [the FP8Linear layers whose weight is param]} for the given parameters."""
-    wanted = {id(p) for p in params}
-    found: dict = {}
-    for layer in list(_LAYERS):
-        w = layer._parameters.get("weight")
-        if w is not None and id(w) in wanted:
-            found.setdefault(id(w), []).append(layer)
-    return found
 
 
 def is_dtensor(t) -> bool:
@@ -77,7 +62,7 @@ class FP8Linear(nn.Linear):
         self.fallback = check_fallback(fallback)
         self.recipe = check_recipe(recipe)
         self.fp8_state = self._new_state(self.recipe)
-        _LAYERS.add(self)
+        caches.track(self)
 
     def __getstate__(self):
         # the plans (step.py) are decided again by a copy's first calls: they hold its state
@@ -87,7 +72,7 @@ class FP8Linear(nn.Linear):
 
     def __setstate__(self, state):  # copy.deepcopy and pickle do not call __init__
         super().__setstate__(state)
-        _LAYERS.add(self)
+        caches.track(self)
         self.fp8_state.weight_cache.watch(self.weight)
 
     def __setattr__(self, name, value):
@@ -200,13 +185,6 @@ class FP8Linear(nn.Linear):
         state.weight_transposed = self.weight_transposed
         return state
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        host = self.fp8_state.host_weight
-        if host is not None and prefix + "weight" in destination:
-            # offloaded: the parameter is a placeholder, the weight is the host master
-            destination[prefix + "weight"] = host.state_value()
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_prefix = prefix + "fp8_state."
         if prefix + "weight" in state_dict and not any(k.startswith(state_prefix)
@@ -217,29 +195,7 @@ class FP8Linear(nn.Linear):
                 state_dict[state_prefix + key] = value
             logger.info("fp8ops: %s has no FP8 state in the checkpoint (a plain nn.Linear "
                         "one?); its FP8 state starts fresh", prefix.rstrip(".") or "FP8Linear")
-        host = self.fp8_state.host_weight
-        if host is not None and prefix + "weight" in state_dict:
-            self._load_offloaded_weight(state_dict, prefix, host, *args, **kwargs)
-        else:
-            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _load_offloaded_weight(self, state_dict, prefix, host, local_metadata, strict,
-                               missing_keys, unexpected_keys, error_msgs) -> None:
-        """Load into the host master; the placeholder parameter takes no values."""
-        value = state_dict.pop(prefix + "weight")
-        if tuple(value.shape) != tuple(self.weight.shape):
-            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
-                              f"{tuple(value.shape)} from checkpoint, the shape in current "
-                              f"model is {tuple(self.weight.shape)}.")
-        else:
-            host.load_(value)
-        weight = self._parameters["weight"]
-        self._parameters["weight"] = None  # neither missing nor unexpected: loaded above
-        try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
-        finally:
-            self._parameters["weight"] = weight
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _use_recipe(self, recipe) -> None:
         """Switch to `recipe` with a fresh FP8 state; nothing changes if it is the current one

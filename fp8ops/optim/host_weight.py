@@ -1,10 +1,11 @@
-"""The values of an FP8Linear weight kept on the host (FP8 primary weights).
+"""The values of an FP8 weight kept on the host (FP8 primary weights).
 
-When a CPUOffloadOptimizer owns an FP8Linear weight, the FP32 master copy on the host is the only
-high-precision copy of that weight: the parameter on the device becomes a placeholder (one
-element broadcast to the weight's shape) and the layer's ScalingState reads the values to cast
-from here, once per optimizer step (weight_cache). On a CPU-only machine the device is the host
-and the cast reads the master itself.
+When a CPUOffloadOptimizer owns a weight that FP8 layers cast (an FP8Linear weight, an
+FP8GroupedLinear's or a converted transformers experts module's 3-D weight), the FP32 master copy
+on the host is the only high-precision copy of that weight: the parameter on the device becomes a
+placeholder (one element broadcast to the weight's shape) and the layer's weight cache reads the
+values to cast from here, once per optimizer step (weight_cache). On a CPU-only machine the
+device is the host and the cast reads the master itself.
 
 The placeholder keeps the Parameter object (its identity, hooks, requires_grad, shape, dtype and
 device: what modules, autograd, optimizers and references held by the user rely on) and becomes
@@ -22,8 +23,8 @@ from torch.utils._pytree import tree_leaves
 
 
 class HostWeight:
-    """The FP32 master of one FP8Linear weight, the device and dtype of its parameter, and the
-    name the optimizer gave it (for errors)."""
+    """The FP32 master of one FP8 weight, the device and dtype of its parameter, and the name
+    the optimizer gave it (for errors)."""
 
     def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype,
                  name: str):
@@ -44,6 +45,14 @@ class HostWeight:
             return self.master
         return self.master.to(self.device, non_blocking=True)
 
+    def values_for(self, weight: torch.Tensor) -> torch.Tensor:
+        """device_values() in the layout of `weight`: the placeholder parameter, or an alias of
+        it that a layer casts (its transpose: experts stored [E, in, out])."""
+        values = self.device_values()
+        for func, args, kwargs in getattr(weight, "_layout", ()):
+            values = func(values, *args, **kwargs)
+        return values
+
     def param_value(self) -> torch.Tensor:
         """The weight as an ordinary parameter would hold it: a new tensor with the master's
         values in the parameter's dtype, on the device."""
@@ -55,16 +64,17 @@ class HostWeight:
         return self.master.detach().to(self.dtype)
 
     @torch.no_grad()
-    def load_(self, value: torch.Tensor) -> None:
-        """Take the weight from a checkpoint. A value equal to the master rounded to the
-        parameter's dtype leaves the master as it is, so loading the model after the optimizer
-        keeps the optimizer's exact FP32 master."""
+    def load_(self, value: torch.Tensor) -> bool:
+        """Take the weight from a checkpoint; whether the master changed. A value equal to the
+        master rounded to the parameter's dtype leaves the master as it is, so loading the model
+        after the optimizer keeps the optimizer's exact FP32 master."""
         value = value.detach().to("cpu")
         if value.dtype == self.dtype and torch.equal(value, self.master.to(self.dtype)):
-            return
+            return False
         if self.master.is_pinned():  # a copy of the old values may still be in flight
             torch.cuda.synchronize(self.device)
         self.master.copy_(value)
+        return True
 
 
 def _unowned() -> None:
@@ -87,6 +97,8 @@ _METADATA = (
     torch.Tensor.is_neg, torch.Tensor._is_zerotensor,
     torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
 )
+# views that keep the guard: the alias knows its layout (HostWeight.values_for)
+_ALIASES = (torch.Tensor.detach, torch.Tensor.t, torch.Tensor.transpose)
 # conversions, allowed when they change nothing (model.to(its own device), model.float())
 _CONVERSIONS = (
     torch.Tensor.to, torch.Tensor.type, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.half,
@@ -119,16 +131,17 @@ class _Offloaded:
         if type(func) is _ACCESSOR:  # an attribute's getter or setter
             name, setter = func.__self__.__name__, func.__name__ == "__set__"
             if name == "data" and not setter:  # p.data: an alias that keeps the guard
-                return _alias(self, func, args)
+                return _alias(self, func, args, {})
             if name == "data" and args[1] is self:  # Module._apply after a no-op conversion
                 return None
             if name not in _VALUE_VIEWS:
                 return _call(func, args, kwargs)
         elif func in _METADATA:
             return _call(func, args, kwargs)
-        elif func is torch.Tensor.detach or func is torch.Tensor.t:
-            # an alias that keeps the guard (FP8Conv1D passes weight.t() to the FP8 linear)
-            return _alias(self, func, args)
+        elif func in _ALIASES:
+            # an alias that keeps the guard (FP8Conv1D passes weight.t() to the FP8 linear,
+            # transformers experts stored [E, in, out] their transpose to the grouped one)
+            return _alias(self, func, args, kwargs)
         elif func in _CONVERSIONS:
             return _convert(self, func, args, kwargs)
         raise RuntimeError(
@@ -154,7 +167,7 @@ class _Offloaded:
 
 
 class OffloadedWeight(_Offloaded, nn.Parameter):
-    """An FP8Linear weight parameter owned by a CPUOffloadOptimizer: its shape, dtype, device,
+    """An FP8 weight parameter owned by a CPUOffloadOptimizer: its shape, dtype, device,
     gradient and hooks are the parameter's, its values are the host master's. A torch function
     that reads or writes values raises (saying where they are), as does moving or converting
     it; metadata, gradients, detach() (a guarded alias) and no-op conversions work; a copy or a
@@ -183,9 +196,13 @@ def _call(func, args, kwargs):
         return func(*args, **kwargs)
 
 
-def _alias(self: _Offloaded, func, args) -> OffloadedWeightAlias:
-    alias = _call(func, args, {}).as_subclass(OffloadedWeightAlias)
+def _alias(self: _Offloaded, func, args, kwargs) -> OffloadedWeightAlias:
+    alias = _call(func, args, kwargs).as_subclass(OffloadedWeightAlias)
     alias._host = self._host
+    layout = getattr(self, "_layout", ())
+    if func is torch.Tensor.t or func is torch.Tensor.transpose:
+        layout = (*layout, (func, args[1:], kwargs))
+    alias._layout = layout
     return alias
 
 
@@ -212,5 +229,5 @@ def _real(self: _Offloaded) -> torch.Tensor:
 
 
 def _owned(host: HostWeight) -> str:
-    return (f"fp8ops: {host.name} is an FP8Linear weight owned by a CPUOffloadOptimizer; its "
+    return (f"fp8ops: {host.name} is an FP8 weight owned by a CPUOffloadOptimizer; its "
             f"values are the optimizer's FP32 master on the host.")

@@ -1,5 +1,6 @@
-"""CPUOffloadOptimizer: FP32 master weights and optimizer state on the host; the FP8Linear
-weights it owns live on the device in FP8 only (offload_param.py says how each parameter moves).
+"""CPUOffloadOptimizer: FP32 master weights and optimizer state on the host; the FP8 weights it
+owns (FP8Linear, FP8GroupedLinear and converted transformers experts weights) live on the device
+in FP8 only (offload_param.py says how each parameter moves).
 
 The host step is torch's own optimizer (one instance of `optimizer_class` over the host masters,
 so its state_dict is torch's format and its step is torch's arithmetic). It subclasses
@@ -14,7 +15,8 @@ import torch
 from torch.optim import Optimizer
 
 from .host_weight import OffloadedWeight
-from ..nn.modules import is_dtensor, layers_by_weight
+from ..nn.caches import readers_by_weight
+from ..nn.modules import is_dtensor
 from .offload_param import OffloadedParam, owner
 
 # torch optimizers with a fused CPU step: the host step uses it unless fused/foreach are given
@@ -55,7 +57,7 @@ def _check_param(param, what: str) -> None:
             f"CPUOffloadOptimizer: {what} is a DTensor (sharded by FSDP2 or tensor parallelism). "
             f"Under FSDP2 keep the sharded FP32 weights and the optimizer state on the host with "
             f"torch's own fully_shard(module, offload_policy=CPUOffloadPolicy()) and a plain "
-            f"torch.optim optimizer: FP8Linear weights are still all-gathered in FP8")
+            f"torch.optim optimizer: FP8 weights are still all-gathered in FP8")
     if not param.is_floating_point():
         raise TypeError(f"CPUOffloadOptimizer: {what} has dtype {param.dtype}; only floating "
                         f"point parameters are supported")
@@ -77,11 +79,12 @@ class CPUOffloadOptimizer(Optimizer):
     param_groups' "param_names", as with torch optimizers) or param groups. kwargs go to
     optimizer_class; Adam, AdamW, SGD and Adagrad get fused=True unless fused or foreach is given.
 
-    - An FP8Linear weight among `params` is kept on the device only as its FP8 cast (data, the
-      transposed copy backward needs, scales); its parameter becomes a placeholder (the same
-      object, an OffloadedWeight: shape, dtype, device and gradient as before, but reading or
-      writing its values raises; master_of(param) gives them) and its gradient goes to the host
-      as backward produces it. copy.deepcopy(model) and torch.save(model) give ordinary
+    - An FP8 weight among `params` (an FP8Linear weight, an FP8GroupedLinear's or a converted
+      transformers experts module's 3-D weight) is kept on the device only as its FP8 cast
+      (data, the transposed copy backward needs, scales); its parameter becomes a placeholder
+      (the same object, an OffloadedWeight: shape, dtype, device and gradient as before, but
+      reading or writing its values raises; master_of(param) gives them) and its gradient goes
+      to the host as backward produces it. copy.deepcopy(model) and torch.save(model) give ordinary
       parameters with the masters' values.
     - A parameter belongs to one CPUOffloadOptimizer: one already owned by another raises.
     - Any other parameter keeps a device copy in its own dtype, refreshed after each step. Its
@@ -93,7 +96,7 @@ class CPUOffloadOptimizer(Optimizer):
       norm of clip_grad_norm_ since the last step is reused (the check is then free), else one
       pass computes it. `last_step_skipped` and `skipped_steps` record it. Off by default, as in
       torch optimizers: that pass cost a tenth to a third of a fused AdamW step on a CPU.
-    On a CPU-only machine the device is the host: float32 parameters that no FP8Linear reads are
+    On a CPU-only machine the device is the host: float32 parameters that no FP8 layer reads are
     stepped in place, and the results are those of optimizer_class on the same model.
     """
 
@@ -146,13 +149,13 @@ class CPUOffloadOptimizer(Optimizer):
                 raise ValueError(f"CPUOffloadOptimizer: {what} appears more than once")
             _check_not_owned(p, what)
             taken.add(id(p))
-        layers = layers_by_weight(tensors)
+        readers = readers_by_weight(tensors)
         for i, (name, p) in enumerate(zip(names, tensors)):
-            if id(p) in layers and type(p) is not torch.nn.Parameter:
+            if id(p) in readers and type(p) is not torch.nn.Parameter:
                 raise TypeError(f"CPUOffloadOptimizer: {_describe(name, index, i, p)} is an "
-                                f"FP8Linear weight of type {type(p).__qualname__}; only a plain "
+                                f"FP8 weight of type {type(p).__qualname__}; only a plain "
                                 f"nn.Parameter can be offloaded")
-        entries = [OffloadedParam(p, _describe(name, index, i, p), layers.get(id(p), []),
+        entries = [OffloadedParam(p, _describe(name, index, i, p), readers.get(id(p), []),
                                   self.offload_gradients, self._stream(p.device))
                    for i, (name, p) in enumerate(zip(names, tensors))]
         host = {k: v for k, v in group.items() if k != "params"}
@@ -199,7 +202,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The FP32 master of `param` (one of this optimizer's parameters), on the host: the
-        tensor the step updates, for an FP8Linear weight the only copy of its values. For
+        tensor the step updates, for an FP8 weight the only copy of its values. For
         reading (norms, logging); change weights through model.load_state_dict()."""
         for entry in self._params:
             if entry.param is param:

@@ -2,14 +2,16 @@
 there, and the copies between the device and the host.
 
 Three kinds of parameter:
-  shared  a float32 parameter on the CPU that no FP8Linear reads: the device is the host, so the
+  shared  a float32 parameter on the CPU that no FP8 layer casts: the device is the host, so the
           host optimizer steps the parameter itself (no copy, no hook);
-  copy    any other parameter that is not an FP8Linear weight (norms, embeddings, biases): an
+  copy    any other parameter that is not an FP8 weight (norms, embeddings, biases): an
           FP32 master on the host, the device keeps the parameter in its own dtype and gets the
           new values after each step;
-  fp8     an FP8Linear weight: the FP32 master on the host is its only high-precision copy; the
-          device parameter becomes a placeholder that refuses to be read (host_weight.offload)
-          and the layers cast the master once per step (host_weight.HostWeight).
+  fp8     a weight FP8 layers cast (FP8Linear, FP8GroupedLinear, converted transformers experts):
+          the FP32 master on the host is its only high-precision copy; the device parameter
+          becomes a placeholder that refuses to be read (host_weight.offload), the layers' weight
+          caches cast the master once per step (host_weight.HostWeight), and the module's
+          state_dict holds the master (offload_state_dict).
 Gradients of copy and fp8 parameters go to the host as soon as backward produces each one (a
 post-accumulate-grad hook; on CUDA a copy on a side stream, overlapped with the rest of backward)
 and are accumulated there in FP32.
@@ -22,6 +24,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import offload_state_dict
+from ..nn.caches import caches_by_name
 from .host_weight import HostWeight, offload
 
 _F32 = torch.float32
@@ -43,10 +47,11 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
 
 
 class OffloadedParam:
-    def __init__(self, param: torch.Tensor, name: str, layers: list, offload_gradients: bool,
+    def __init__(self, param: torch.Tensor, name: str, readers: list, offload_gradients: bool,
                  stream: Optional["torch.cuda.Stream"]):
-        self.param, self.name, self.layers = param, name, layers
-        self.kind = ("fp8" if layers else
+        """readers: [(module, name)] of the FP8 modules that cast param (caches.readers_by_weight)."""
+        self.param, self.name, self.readers = param, name, readers
+        self.kind = ("fp8" if readers else
                      "shared" if param.device.type == "cpu" and param.dtype == _F32 else "copy")
         self.stream = stream  # CUDA parameters: the side stream of the copies
         # offload_gradients=False keeps a copy parameter's gradient on the device (accumulated
@@ -77,16 +82,24 @@ class OffloadedParam:
         _OWNED[param] = weakref.ref(self)
         if self.kind == "fp8":
             host = HostWeight(self.master, param.device, param.dtype, self.name)
-            for layer in self.layers:
+            for cache in self._caches():
                 # a cast made before now is remade from the master, with its scale, unstepped
-                layer.fp8_state.weight_cache.invalidate(keep_scale=True)
+                cache.invalidate(keep_scale=True)
             offload(param, host)
-            for layer in self.layers:
-                layer.fp8_state.host_weight = host
+            for cache in self._caches():
+                cache.host = host
+            for module, _ in self.readers:
+                offload_state_dict.install(module)
         if self.kind != "shared" and param.requires_grad:
             param.register_post_accumulate_grad_hook(self._on_grad)
         if self.kind != "shared" and param.grad is not None:  # from a backward before now
             self._on_grad(param)
+
+    def _caches(self) -> list:
+        """The weight caches that cast this parameter now (a module converted again since has
+        new ones)."""
+        return [caches_by_name(module)[name] for module, name in self.readers
+                if name in caches_by_name(module)]
 
     # -- gradients ---------------------------------------------------------------------------
     def check_grad(self, grad: torch.Tensor) -> None:
@@ -181,5 +194,5 @@ class OffloadedParam:
         self.master.copy_(value)
         if self.kind == "copy":
             self.push()
-        for layer in self.layers:
-            layer.fp8_state.weight_cache.invalidate(keep_scale=True)
+        for cache in self._caches():
+            cache.invalidate(keep_scale=True)
