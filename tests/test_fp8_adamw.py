@@ -322,6 +322,26 @@ def test_bad_arguments():
         fp8ops.FP8AdamW([p]).load_state_dict(amsgrad)
 
 
+def test_a_refused_param_group_is_not_kept():
+    """add_param_group checks after torch's (which fills in the defaults): a group it refuses
+    must not stay behind for step() to update, and the same parameters may be added again."""
+    a, b = _param((4, 4)), _param((4, 4))
+    opt = fp8ops.FP8AdamW([a], lr=1e-2)
+    with pytest.raises(ValueError, match="lr must be a float >= 0"):
+        opt.add_param_group({"params": [b], "lr": -1.0})
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        opt.add_param_group({"params": [b, half]})
+    assert len(opt.param_groups) == 1
+    before = b.detach().clone()
+    a.grad, b.grad, half.grad = torch.randn(4, 4), torch.randn(4, 4), torch.ones(3).half()
+    opt.step()
+    assert torch.equal(b, before) and not opt.state.get(b) and torch.all(half == 0)
+    opt.add_param_group({"params": [b], "lr": 1e-3})  # the same parameters, fixed options
+    opt.step()
+    assert not torch.equal(b, before)
+
+
 def test_param_groups_and_lr_scheduler():
     a, b = _param((32, 128)), _param((8,))
     opt = fp8ops.FP8AdamW([{"params": [a], "second_moment": "e5m2"}, {"params": [b]}], lr=1e-2)

@@ -130,8 +130,14 @@ class FP8AdamW(Optimizer):
         self._total_norm: Optional[torch.Tensor] = None
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        super().add_param_group(param_group)  # (fills in the defaults the checks read)
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()  # a refused group is not kept: no step ever sees it
+            raise
+
+    def _check_group(self, group: dict) -> None:
         _check_hyper(group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"],
                      group["second_moment"], group["min_fp8_numel"])
         for p in group["params"]:
