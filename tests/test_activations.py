@@ -288,6 +288,35 @@ def test_backward_inside_the_context_saves_nothing_more():
     assert not saved.of_dtype(torch.float8_e4m3fn) and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward_after", "backward_inside"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_regions_run_plain(reentrant, backward_inside):
+    """A checkpointed region keeps none of its saved tensors: the covered ops run plain in its
+    forward and in its recompute (a non-reentrant checkpoint checks that the recompute saves
+    what the forward saved), so the gradients are those of the checkpoint without the context;
+    ops outside the region still save FP8."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(N, N), torch.nn.LayerNorm(N), torch.nn.GELU(),
+                              torch.nn.Linear(N, N))
+    x = _input(torch.float32, (4, N))
+
+    x.grad = None  # the reference: the region run outside the context, the silu inside
+    y = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=reentrant)
+    with fp8ops.fp8_activations():
+        F.silu(y).sum().backward()
+    want = x.grad
+
+    x.grad = None
+    with fp8ops.fp8_activations(), Saved() as saved:
+        y = F.silu(torch.utils.checkpoint.checkpoint(net, x, use_reentrant=reentrant))
+        if backward_inside:
+            y.sum().backward()
+    if not backward_inside:
+        y.sum().backward()
+    assert torch.equal(x.grad, want)
+    assert [t.shape for t in saved.of_dtype(torch.float8_e4m3fn)] == [(4, N)]  # the silu's
+
+
 def test_double_backward_is_refused():
     x = _input(torch.float32)
     with fp8ops.fp8_activations():

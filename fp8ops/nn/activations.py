@@ -257,6 +257,15 @@ class _SiluProduct(torch.autograd.Function):
                 next(grads) if need_b else None)
 
 
+def _in_checkpoint() -> bool:
+    """Inside a non-reentrant activation checkpoint's forward or its recompute: torch's own
+    saved-tensors hooks are on top (it marks them). The checkpoint keeps none of the region's
+    saved tensors, so FP8 copies would save nothing, and its recompute (in backward, where this
+    context may be gone) must save what the forward saved: the covered ops run plain there."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "_checkpoint_internal", False)
+
+
 def _worth_saving(x) -> bool:
     """Whether an op's input x can be saved in FP8: a plain floating tensor holding elements,
     with grad enabled (no_grad and inference_mode run plain, at no cost)."""
@@ -288,7 +297,7 @@ class _FP8ActivationMode(TorchFunctionMode):
         except TypeError:  # arguments torch would refuse: let it say so
             call = None
         if (call is None or not all(_worth_saving(x) for x in call.xs)
-                or not any(x.requires_grad for x in call.xs)):
+                or not any(x.requires_grad for x in call.xs) or _in_checkpoint()):
             return func(*args, **kwargs)
         sink = [] if func is F.silu else None
         with _running_covered_op():
@@ -324,7 +333,7 @@ class _FP8ActivationMode(TorchFunctionMode):
         s, b = (x, y) if s_first else (y, x)
         # b a number, float64, an empty tensor...; grad disabled; torch.compile: plain
         if (tag is None or not _worth_saving(b) or getattr(_inside, "active", False)
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or _in_checkpoint()):
             return func(x, y)
         with _running_covered_op():
             return _SiluProduct.apply(tag, self.recipe, self.fmt, s_first, s, b)
@@ -335,7 +344,10 @@ class fp8_activations:  # noqa: N801  (used as a function: `with fp8_activations
     FP8 (1 byte per element plus float32 scales) instead of in its own dtype, and a multiply of
     a SiLU's output by a tensor (SwiGLU) saves that tensor in FP8 instead of both operands;
     their outputs are unchanged. Backward may run outside the context. Contexts nest: the
-    innermost one applies.
+    innermost one applies. Inside a torch.utils.checkpoint region they run plain: the
+    checkpoint keeps none of the region's saved tensors (it recomputes them in backward), and
+    a non-reentrant one checks that its recompute saves what the forward saved (a reentrant one
+    runs the region's forward without grad).
 
     recipe: "1x128" (one scale per 128 consecutive elements along the last dim; the last block of
     a row is shorter when the last dim is not a multiple of 128) or "tensor" (one scale).
