@@ -2,6 +2,7 @@
 experts modules run fp8ops.grouped_linear, train, and save / load exactly. Tiny models built from
 configs: nothing is downloaded."""
 import copy
+import io
 import logging
 import pickle
 
@@ -177,6 +178,36 @@ def test_mixtral_trains_under_cpu_offload():
     want = _train_mixtral(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
     assert got[0] == want[0]
     assert got == pytest.approx(want, rel=1e-3)
+
+
+def _train_steps(model, opt, gen, steps=2):
+    losses = []
+    for _ in range(steps):
+        loss = model(**_batch(gen)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_state_dict_resume_is_exact():
+    """The resume README gives for MoE models: torch.save of the model's and the optimizer's
+    state_dicts (the experts' delayed-scaling buffers included) continues bit for bit."""
+    model = fp8ops.convert_to_fp8(_model("mixtral"), fp8ops.DelayedScaling())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_steps(model, opt, torch.Generator().manual_seed(0))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert any(".experts.fp8_state." in k for k in ckpt["model"])
+    want = _train_steps(model, opt, torch.Generator().manual_seed(1))
+    fresh = fp8ops.convert_to_fp8(_model("mixtral", seed=5), fp8ops.DelayedScaling())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["opt"])
+    assert _train_steps(fresh, fresh_opt, torch.Generator().manual_seed(1)) == want
 
 
 def test_save_pretrained_round_trip_is_exact(tmp_path):
