@@ -146,6 +146,18 @@ def test_eval_mode_uses_the_scales_and_records_nothing():
     assert lin.fp8_state.input.step.item() == 2
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_the_modules_mode_decides_recording_not_grad_mode(grad_mode):
+    """As BatchNorm's running statistics: a no_grad / inference_mode forward in training mode
+    records and steps (docs/numerics.md, "Eval mode"); validate in eval()."""
+    lin = fp8ops.FP8Linear(32, 16, recipe=fp8ops.DelayedScaling(amax_history_len=4))
+    lin(torch.randn(4, 32)).sum().backward()
+    with grad_mode():
+        lin(torch.randn(4, 32) * 100)
+    assert lin.fp8_state.input.step.item() == 2
+    assert lin.fp8_state.input.pending_amax.item() > 50  # recorded, for the next step
+
+
 @pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
                                      lambda m: m.to("meta", torch.float16)],
                          ids=["half", "to_bf16", "to_meta_fp16"])
