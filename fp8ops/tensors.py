@@ -110,8 +110,15 @@ def _scale_tensor(scale, device) -> torch.Tensor:
             raise ValueError(f"scale must hold one value, got shape {tuple(scale.shape)}")
         if scale.device != device:
             raise ValueError(f"scale is on {scale.device} but x is on {device}")
-        s = scale.reshape(()).to(torch.float32)
+        if not scale.is_floating_point():
+            raise TypeError(f"scale must be a floating-point tensor or a number, got a "
+                            f"{scale.dtype} tensor")
+        # the Float8Tensor keeps it: a scale that requires grad would carry its graph along
+        s = scale.detach().reshape(()).to(torch.float32)
     else:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a number or a one-element tensor, got "
+                            f"{type(scale).__name__} {scale!r}")
         # host data: checked on the CPU (whatever the default device), no sync
         s = torch.tensor(float(scale), dtype=torch.float32, device="cpu")
     ok = (s > 0) & torch.isfinite(s) & torch.isfinite(torch.reciprocal(s))
@@ -223,6 +230,8 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype = tor
     if bias is not None and (bias.shape != (b.shape[0],) or bias.device != a.data.device):
         raise ValueError(f"bias must have shape ({b.shape[0]},) on {a.data.device}, got "
                          f"{tuple(bias.shape)} on {bias.device}")
+    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
     if isinstance(a, Float8Tensor):
         return torch.ops.fp8ops.gemm(a.data, b.data, a.scale_inv, b.scale_inv, bias, out_dtype,
                                      fast_accum)

@@ -1,6 +1,7 @@
 """The user-facing quantize / dequantize / gemm functions and their argument checks."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,11 @@ def test_amax_public():
     (lambda: fp8ops.quantize(torch.ones(4), scale=-1.0), ValueError, "positive finite"),
     (lambda: fp8ops.quantize(torch.ones(4), scale=float("nan")), ValueError, "positive finite"),
     (lambda: fp8ops.quantize(torch.ones(4), scale=torch.ones(2)), ValueError, "one value"),
+    (lambda: fp8ops.quantize(torch.ones(4), scale="2"), TypeError, "a number or a one-element"),
+    (lambda: fp8ops.quantize(torch.ones(4), scale=True), TypeError, "a number or a one-element"),
+    (lambda: fp8ops.quantize(torch.ones(4), scale=torch.tensor(2)), TypeError, "floating-point"),
+    (lambda: fp8ops.gemm(fp8ops.quantize(torch.ones(2, 4)), fp8ops.quantize(torch.ones(3, 4)),
+                         bias=torch.ones(3, dtype=torch.int64)), TypeError, "bias must be float32"),
     (lambda: fp8ops.quantize_mx(torch.ones(4, 33)), ValueError, "multiple of block_size 32"),
     (lambda: fp8ops.quantize_mx(torch.ones(4, 32), axis=2), ValueError, "out of range"),
     (lambda: fp8ops.quantize_mx(torch.ones(4, 32), scale_mode="ceil"), ValueError, "scale_mode"),
@@ -67,6 +73,13 @@ def test_amax_public():
 def test_bad_arguments_name_the_problem(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+def test_a_scale_that_requires_grad_is_kept_without_its_graph():
+    scale = torch.tensor(2.0, requires_grad=True)
+    q = fp8ops.quantize(torch.ones(4), scale=scale * 1)
+    assert q.scale.grad_fn is None and not q.scale.requires_grad and q.scale.item() == 2.0
+    assert fp8ops.quantize(torch.ones(4), scale=np.float32(4.0)).scale.item() == 4.0
 
 
 @pytest.mark.parametrize("call, err, match", [
