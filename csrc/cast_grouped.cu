@@ -34,6 +34,7 @@ __global__ void group_amax_kernel(GroupedCastParams p) {
       for (int k = 0; k < N; ++k) m = max(m, abs_bits(to_float(a.v[k])));
     }
     m = warp_max(m);
+    if (m > 0x7f800000u) m = 0x7fc00000u;  // any NaN as the emulation's (its amax is recorded)
     if (lane == 0 && m) atomicMax(reinterpret_cast<unsigned*>(p.amax) + g, m);
   }
 }
@@ -125,7 +126,8 @@ void launch_quantize_grouped(const GroupedCastParams& p, cudaStream_t stream) {
   if (p.groups < 0 || p.groups > 0x7fffffff || p.rows < 0 || p.cols < 0)
     throw std::invalid_argument("fp8ops: quantize_grouped: bad sizes");
   const bool current = p.scale == nullptr;
-  if (current && (p.out_scale == nullptr || p.out_scale_inv == nullptr))
+  // (no groups: every row is outside them, cast to zeros; the scales are empty, null pointers)
+  if (current && p.groups > 0 && (p.out_scale == nullptr || p.out_scale_inv == nullptr))
     throw std::invalid_argument("fp8ops: quantize_grouped: current scaling publishes its scales");
   if (p.groups > 0) FP8OPS_CUDA_CHECK(cudaMemsetAsync(p.amax, 0, p.groups * sizeof(float), stream));
   const bool empty = p.rows == 0 || p.cols == 0;

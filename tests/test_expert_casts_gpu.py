@@ -110,6 +110,20 @@ def test_the_python_entry_points_take_the_kernels_and_their_loops_agree():
             _same(g, x, name)
 
 
+def test_more_experts_than_one_launch_takes_the_loop():
+    """The kernels hold at most 65535 experts (one per blockIdx.y): the entry points give more
+    to the loop of dense ops, the op itself refuses them by name."""
+    n = expert_casts.MAX_EXPERTS_PER_LAUNCH + 2
+    w = _weight((n, 1, 16), torch.float32)
+    data, _, scale, _ = expert_casts.quantize_experts_current(w, E4, 1.0, False, False)
+    d, _, s, _ = expert_casts._loop_current(w[-2:], E4, 1.0, False, False)
+    _same(data[-2:], d, "data")
+    _same(scale[-2:], s, "scale")
+    _same(expert_casts.experts_amax(w)[-2:], expert_casts._loop_amax(w[-2:]), "amax")
+    with pytest.raises(RuntimeError, match="at most 65535 experts"):
+        _ops.amax_experts(w)
+
+
 def test_bad_inputs_are_clear_errors():
     w = _weight((2, 16, 32), torch.bfloat16)
     with pytest.raises(RuntimeError, match="3-D"):

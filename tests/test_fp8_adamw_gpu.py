@@ -112,6 +112,22 @@ def test_optimizer_on_cuda_trains_as_on_the_cpu(dtype, second_moment):
         assert torch.equal(_bytes(a), _bytes(b))
 
 
+def test_non_contiguous_parameters_train_as_on_the_cpu():
+    """A transposed parameter (its gradient has its strides): stepped in a contiguous copy,
+    with a contiguous copy of its gradient, as on the CPU."""
+    def run(device):
+        p = torch.nn.Parameter(torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+                               .to(device).t())  # [256, 512], 4096+ values: FP8 moments
+        opt = fp8ops.FP8AdamW([p], lr=1e-2, seed=3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            p.grad = (torch.randn(512, 256, generator=g) * 1e-2).to(device).t()
+            assert not p.grad.is_contiguous()
+            opt.step()
+        return p.detach().cpu()
+    assert torch.equal(run("cpu"), run("cuda"))
+
+
 # -- adamw_step_multi: a list of parameters in one launch ------------------------------------
 GUARD = 256  # poisoned bytes around each tensor: a write past a tensor's end changes them
 SIZES = [1000, 0, 1, 128, 127, 4096 + 3, 129, 1 << 16]

@@ -72,6 +72,27 @@ def test_power_of_two_nan_and_the_dense_cast_per_group():
     assert scale[0] == 1 and scale[2] == 1  # empty groups
 
 
+def test_nan_amax_bytes_and_no_groups():
+    """A NaN's amax is recorded as the emulation's NaN whatever its payload (a CUDA 0 * inf
+    gives 0x7fffffff); with no groups every row is zeros and the scales are empty."""
+    x, offsets = _problem("empty", 256, torch.float32)
+    x[5, 3] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32).cuda()
+    scale = torch.ones(4, device="cuda")
+    got = _ops.quantize_scaled_grouped(x, offsets, scale, E4, True)
+    want = emulation_grouped.quantize_scaled_grouped(x, offsets, scale, E4, True)
+    for g, w, what in zip(got, want, ("data", "data_t", "amax")):
+        _same(g, w, f"scaled {what}")
+    none = torch.zeros(0, dtype=torch.int32, device="cuda")
+    for got, want in (
+            (_ops.quantize_current_grouped(x, none, E4, 1.0, False, True),
+             emulation_grouped.quantize_current_grouped(x, none, E4, 1.0, False, True)),
+            (_ops.quantize_scaled_grouped(x, none, torch.ones(0, device="cuda"), E4, True),
+             emulation_grouped.quantize_scaled_grouped(x, none, torch.ones(0, device="cuda"),
+                                                       E4, True))):
+        for g, w in zip(got, want):
+            _same(g, w, "no groups")
+
+
 def test_no_host_sync_replays_in_a_cuda_graph_with_new_offsets():
     x, offsets = _problem("balanced", 512, torch.bfloat16)
     _ops.quantize_current_grouped(x, offsets, E4, 1.0, False, True)

@@ -46,13 +46,23 @@ def _outside_autocast(cast):
 # ----------------------------------------------------------------------------------------------
 # the casts
 # ----------------------------------------------------------------------------------------------
+# the CUDA kernels take one expert per blockIdx.y (cast.cu), at most 65535; more take the loop
+MAX_EXPERTS_PER_LAUNCH = 65535
+
+
+def _one_launch(w: torch.Tensor) -> bool:
+    """Whether the ops cast these experts in one launch: empty experts (nothing to launch) and
+    more than the grid holds take the loop of dense ops, which they equal."""
+    return w.numel() > 0 and w.shape[0] <= MAX_EXPERTS_PER_LAUNCH
+
+
 @_outside_autocast
 def quantize_experts_current(w: torch.Tensor, dtype: torch.dtype, margin: float,
                              power_of_two: bool, transpose: bool = True):
     """Current scaling, one scale per expert: (data [E, N, K], data^T [E, K, N] or an empty
     tensor without `transpose`, scale [E], scale_inv [E])."""
     _need_3d(w)
-    if w.numel() == 0:
+    if not _one_launch(w):
         return _loop_current(w, dtype, margin, power_of_two, transpose)
     return _ops.quantize_experts_current(w, dtype, margin, power_of_two, transpose)
 
@@ -65,7 +75,7 @@ def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     of each expert's values)."""
     _need_3d(w)
     _need_expert_scales(w, scale)
-    if w.numel() == 0:
+    if not _one_launch(w):
         return _loop_scaled(w, scale, dtype, transpose)
     return _ops.quantize_experts_scaled(w, scale, dtype, transpose)
 
@@ -74,6 +84,8 @@ def quantize_experts_scaled(w: torch.Tensor, scale: torch.Tensor, dtype: torch.d
 def experts_amax(w: torch.Tensor) -> torch.Tensor:
     """Each expert's amax [E] (float32), the one its cast records (the dense op amax)."""
     _need_3d(w)
+    if w.shape[0] > MAX_EXPERTS_PER_LAUNCH:
+        return _loop_amax(w)
     return _ops.amax_experts(w)
 
 

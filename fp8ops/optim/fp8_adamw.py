@@ -65,7 +65,8 @@ def _write_back(params: list, targets: list) -> None:
 def _step_fp8(params: list, states: list, scalars: torch.Tensor, rng: torch.Tensor) -> None:
     """One adamw_step_multi call for a bucket of parameters with FP8 moments."""
     targets = _contiguous_targets(params)
-    grads = [_local(p.grad) for p in params]
+    # (a non-contiguous parameter's gradient has its strides; the CUDA op takes contiguous ones)
+    grads = [g if g.is_contiguous() else g.contiguous() for g in (_local(p.grad) for p in params)]
     moment_lists = ([state[k] for state in states] for k in _FP8_STATE)
     torch.ops.fp8ops.adamw_step_multi(targets, grads, *moment_lists, scalars, rng)
     _write_back(params, targets)
