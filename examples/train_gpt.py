@@ -71,9 +71,9 @@ blockwise and delayed recipes (delayed: an amax history per expert); with the ot
 current_stochastic) the experts stay in high precision (a warning) and only the dense Linears go
 to FP8. The baseline runs the same module's own forward, a loop over the experts. GPT only. With
 --fsdp the experts' 3-D parameters are sharded with their block and gathered in FP8 (each rank
-casts its shard, as for the dense Linears); with --offload they are ordinary parameters of the
-optimizer (their weights stay on the device in their dtype; only FP8Linear weights become FP8
-alone there).
+casts its shard, as for the dense Linears); with --offload the converted experts' 3-D weights,
+as the FP8Linear weights, stay on the device as their FP8 casts only (the baseline's and those of
+experts left in high precision stay in their dtype).
 --moe only, on the CPU, with torchao 0.18.0 installed: the recipes torchao and torchao_mxfp8
 (examples/torchao_moe.py) run the experts' GEMMs (forward, dgrad, wgrad) as torchao's FP8
 row-wise grouped recipe (torchao's casts, a float32 grouped GEMM of the dequantized values in

@@ -648,3 +648,23 @@ def test_activation_checkpointing_and_inference_mode_as_without_offload(recipe):
         out[name] = losses
     assert out["off"] == out["ref"]
     _assert_same(_weights(off), _weights(ref))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_a_state_dict_tensor_edited_in_place_is_seen(recipe):
+    """The float32 master is the state_dict's tensor (no copy, as torch gives a parameter): an
+    in-place write to it changes the weight, and the next forward casts the new values, as the
+    same write does to a model trained without offload."""
+    ref = _model(recipe)
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    off_opt = fp8ops.CPUOffloadOptimizer(off.parameters(), torch.optim.AdamW, lr=1e-2)
+    idx = _batches(41, 1, 1)[0][0]
+    outs = []
+    for model, opt in ((ref, ref_opt), (off, off_opt)):
+        _train(model, opt, _batches(40, 2, 1))
+        model(idx).float().pow(2).mean().backward()  # a cast the next forward would reuse
+        model.state_dict()["up.weight"].mul_(0.5)
+        with torch.no_grad():
+            outs.append(model(idx))
+    assert torch.equal(outs[1], outs[0])

@@ -210,3 +210,106 @@ def test_hf_experts_converted_again_cast_from_the_master():
         fp8ops.convert_to_fp8(model, fp8ops.BlockwiseScaling())
     with torch.no_grad():
         assert torch.equal(off(**batch).logits, ref(**batch).logits)
+
+
+# -- what the weight cache and the checkpoint hooks must still see -----------------------------
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_compiled_layer_casts_the_master(recipe):
+    ref = _layer(recipe)
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    off_opt = _offload(off)
+    batches = _inputs(10, 2, 1)
+    compiled = torch.compile(off, backend="aot_eager", fullgraph=True)
+    for (x,), opt, layer in ((b, off_opt, compiled) for b in batches):
+        layer(x, OFFSETS).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for (x,) in batches:
+        ref(x, OFFSETS).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_same(off.state_dict(), ref.state_dict())
+
+
+def test_a_checkpoint_loaded_into_a_tied_weight_recasts_every_layer():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = fp8ops.FP8GroupedLinear(E, K, K)
+            self.b = fp8ops.FP8GroupedLinear(E, K, K)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x, OFFSETS), OFFSETS)
+
+    torch.manual_seed(0)
+    model, other = Tied(), Tied()
+    opt = _offload(model)
+    x = _inputs(11, 1, 1)[0][0]
+    for _ in range(2):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).pow(2).mean().backward()  # casts the next forwards would reuse
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))
+
+
+def test_a_state_dict_tensor_edited_in_place_is_seen():
+    """float32: the state_dict gives the master itself (no copy), as torch gives a parameter;
+    writing into it changes the weight, and the next forward casts the new values."""
+    layer = _layer(RECIPES[0])
+    opt = _offload(layer)
+    x = _inputs(12, 1, 1)[0][0]
+    for _ in range(2):
+        layer(x, OFFSETS).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    layer(x, OFFSETS).pow(2).mean().backward()  # a cast the next forward would reuse
+    state = layer.state_dict()
+    state["weight"].mul_(0.5)
+    plain = _layer(RECIPES[0])
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(layer(x, OFFSETS), plain(x, OFFSETS))
+
+
+def test_a_failed_load_leaves_no_key_counted_as_loaded():
+    layer = _layer(RECIPES[0])
+    _offload(layer)
+    state = layer.state_dict()
+    with pytest.raises(NotImplementedError):  # torch cannot copy out of a meta tensor
+        layer.load_state_dict(dict(state, weight=torch.empty(E, N, K, device="meta")))
+    with pytest.raises(RuntimeError, match='Missing key.*"weight"'):
+        layer.load_state_dict({"bias": state["bias"]})
+
+
+def test_the_users_state_dict_hooks_see_the_weights_values():
+    layer = _layer(RECIPES[0])
+    layer.register_state_dict_post_hook(  # registered before the optimizer
+        lambda module, state, prefix, meta: state.update(weight=state["weight"] * 2))
+    opt = _offload(layer)
+    assert torch.equal(layer.state_dict()["weight"], opt.master_of(layer.weight) * 2)
+
+
+@pytest.mark.parametrize("kind", ["grouped", "dense"])
+def test_a_model_and_its_optimizer_dropped_are_freed(kind):
+    """Nothing the optimizer installs keeps a dropped model alive: torch's gradient hooks are
+    not seen by the garbage collector, so what they hold must not lead back to the model."""
+    import gc
+    import weakref
+    if kind == "grouped":
+        layer = _layer(RECIPES[0])
+        opt = _offload(layer)
+        _train(layer, opt, _inputs(13, 1, 1))
+    else:
+        layer = fp8ops.FP8Linear(K, N)
+        opt = _offload(layer)
+        layer(torch.randn(4, K)).sum().backward()
+        opt.step()
+    refs = [weakref.ref(t) for t in (layer, layer.weight, opt.master_of(layer.weight))]
+    del layer, opt
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

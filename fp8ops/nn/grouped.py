@@ -73,14 +73,15 @@ def _bias_grad(dy: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> t
 
 
 def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
-                  state: Optional[ExpertScalingState] = None) -> tuple:
+                  state: Optional[ExpertScalingState] = None, host=None) -> tuple:
     """The FP8 copies of all experts' weights, as the recipe's Function takes them: from the
     cache when its rule allows (module doc), else cast now (and kept in the cache). state: the
     delayed-scaling state (DelayedScaling only), whose weight role a live forward steps when it
-    casts anew, once per accumulation window (the cache decides, as for the dense layer)."""
+    casts anew, once per accumulation window (the cache decides, as for the dense layer).
+    host: the host master of an offloaded weight (the cache's own when there is a cache)."""
     cast = _fresh_expert_cast(recipe) if state is None else _delayed_expert_cast(recipe, state)
     live = state is not None and steps_state(state)
-    host = None if cache is None else cache.host
+    host = host if cache is None else cache.host
     if host is not None:  # offloaded (CPUOffloadOptimizer): weight is a placeholder
         cast = _from_host(cast, host)
     with torch.no_grad():
@@ -91,10 +92,12 @@ def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
             return cast(weight, live, None)[0][1]
         # a delayed recompute (activation checkpointing) reuses its forward's cast on the key
         trust = KEY if state is not None and in_recompute() else GRADIENT
-        if host is not None:  # its values change only with the generation, as a dense layer's
-            trust = max(trust, BACKWARD)
         source = cache.source_tensor()
-        if source is not None and source is not weight:
+        if host is not None:
+            # as a dense layer's: the values change with the generation, or with a write to the
+            # master in place (a state_dict tensor edited), which its version shows
+            trust, source = max(trust, BACKWARD), host.master
+        elif source is not None and source is not weight:
             # FSDP2's full weight gathered in high precision: its values change with the sharded
             # parameter (the key's source), and a backward since the cast vouches for it, as for
             # a dense layer (ScalingState.cached_weight)
@@ -321,13 +324,13 @@ class GroupedLinearDelayed(torch.autograd.Function):
 
 
 def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
-                            state: ExpertScalingState):
+                            state: ExpertScalingState, host=None):
     """The dense delayed path (autograd.linear_per_tensor) per expert: the weight cast, then X's
     (stepping and recording when live), the gradient's warm choice decided here so that a
     recompute sees the same."""
     fwd, _ = recipe_formats(recipe)
     live = steps_state(state)
-    w_cast = _cast_experts(weight, recipe, cache, state)
+    w_cast = _cast_experts(weight, recipe, cache, state, host)
     x_cast = _cast_rows(x, offsets, state, "input", fwd, recipe, recipe.margin, update=live,
                         warm=takes_warm_scale(state, "input", live), record=live, transpose=True)
     if live:
@@ -417,25 +420,26 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
         raise ValueError("DelayedScaling keeps an amax history per expert: pass "
                          "state=ExpertScalingState(recipe, num_experts) (FP8GroupedLinear does "
                          "this for you)")
+    host = None if weight_cache is None else weight_cache.host
     if weight_cache is not None and torch.compiler.is_compiling():
-        weight_cache = None  # (a compiled call casts every time)
+        weight_cache = None  # (a compiled call casts every time, from the host master if any)
     out_dtype = output_dtype(x)
     device = x.device.type
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state)
+        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
     # the output's dtype is decided; nothing inside is autocast's to retype (it would refuse to
     # stack FP8 tensors), also when x already comes in autocast's dtype
     with torch.autocast(device, enabled=False):
-        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state)
+        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
 
 
-def _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state):
+def _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host):
     if isinstance(recipe, DelayedScaling):
         return _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, weight_cache,
-                                       state)
+                                       state, host)
     function = (GroupedLinearBlockwise if isinstance(recipe, BlockwiseScaling)
                 else GroupedLinearCurrent)
-    w_cast = _cast_experts(weight, recipe, weight_cache)
+    w_cast = _cast_experts(weight, recipe, weight_cache, host=host)
     return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
 
 

@@ -30,16 +30,25 @@ from .host_weight import HostWeight, offload
 
 _F32 = torch.float32
 
-# every parameter a CPUOffloadOptimizer has taken over -> a weak reference to its
-# OffloadedParam, which lives as long as something of it is attached to the model (its gradient
-# hook), whether the optimizer does or not
+# every parameter a CPUOffloadOptimizer has taken over (held weakly) -> its OffloadedParam,
+# which lives as long as the parameter, whether the optimizer does or not (its gradient hook
+# finds it here); a shared one's (no hook) as long as its optimizer, by a weak reference. The
+# OffloadedParam holds the parameter weakly: torch's gradient hooks are not seen by the garbage
+# collector, so a hook holding it would keep a dropped model (and its masters) alive.
 _OWNED = WeakIdKeyDictionary()
 
 
 def owner(param: torch.Tensor) -> Optional["OffloadedParam"]:
     """The OffloadedParam that owns `param`, or None."""
-    ref = _OWNED.get(param)
-    return None if ref is None else ref()
+    entry = _OWNED.get(param)
+    return entry() if isinstance(entry, weakref.ref) else entry
+
+
+def _accumulated(param: torch.Tensor) -> None:
+    """The gradient hook of an owned parameter."""
+    entry = owner(param)
+    if entry is not None:
+        entry._on_grad(param)
 
 
 def _pinned_empty(shape, dtype) -> torch.Tensor:
@@ -49,8 +58,10 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
 class OffloadedParam:
     def __init__(self, param: torch.Tensor, name: str, readers: list, offload_gradients: bool,
                  stream: Optional["torch.cuda.Stream"]):
-        """readers: [(module, name)] of the FP8 modules that cast param (caches.readers_by_weight)."""
-        self.param, self.name, self.readers = param, name, readers
+        """readers: [(module, name)] of the FP8 modules that cast param (caches.readers_by_weight),
+        held weakly (the gradient hook keeps this object alive as long as the parameter)."""
+        self._param, self.name, self.dtype = weakref.ref(param), name, param.dtype
+        self.readers = [(weakref.ref(module), attr) for module, attr in readers]
         self.kind = ("fp8" if readers else
                      "shared" if param.device.type == "cpu" and param.dtype == _F32 else "copy")
         self.stream = stream  # CUDA parameters: the side stream of the copies
@@ -63,9 +74,14 @@ class OffloadedParam:
         self.version = param._version
 
     @property
+    def param(self) -> Optional[torch.Tensor]:
+        """The parameter, or None once the model let it go."""
+        return self._param()
+
+    @property
     def lossy(self) -> bool:
         """The model's copy of the weight (its state_dict) is rounded: the master must be saved."""
-        return self.kind != "shared" and self.param.dtype != _F32
+        return self.kind != "shared" and self.dtype != _F32
 
     def _make_master(self) -> torch.Tensor:
         p = self.param.detach()
@@ -79,7 +95,7 @@ class OffloadedParam:
     def install(self) -> None:
         """Make the model use the host copy: hooks, and for fp8 the placeholder parameter."""
         param = self.param
-        _OWNED[param] = weakref.ref(self)
+        _OWNED[param] = weakref.ref(self) if self.kind == "shared" else self
         if self.kind == "fp8":
             host = HostWeight(self.master, param.device, param.dtype, self.name)
             for cache in self._caches():
@@ -88,18 +104,19 @@ class OffloadedParam:
             offload(param, host)
             for cache in self._caches():
                 cache.host = host
-            for module, _ in self.readers:
-                offload_state_dict.install(module)
+            for ref, _ in self.readers:
+                offload_state_dict.install(ref())
         if self.kind != "shared" and param.requires_grad:
-            param.register_post_accumulate_grad_hook(self._on_grad)
+            param.register_post_accumulate_grad_hook(_accumulated)
         if self.kind != "shared" and param.grad is not None:  # from a backward before now
             self._on_grad(param)
 
     def _caches(self) -> list:
         """The weight caches that cast this parameter now (a module converted again since has
         new ones)."""
-        return [caches_by_name(module)[name] for module, name in self.readers
-                if name in caches_by_name(module)]
+        modules = [(ref(), name) for ref, name in self.readers]
+        return [caches_by_name(module)[name] for module, name in modules
+                if module is not None and name in caches_by_name(module)]
 
     # -- gradients ---------------------------------------------------------------------------
     def check_grad(self, grad: torch.Tensor) -> None:
@@ -143,18 +160,19 @@ class OffloadedParam:
 
     def gather(self) -> None:
         """The gradient on the host, complete, before the step or the clipping."""
+        param = self.param
         if self.kind == "shared":
-            if self.param.grad is not None:
-                self.check_grad(self.param.grad)
+            if param.grad is not None:
+                self.check_grad(param.grad)
             return
-        if self.accumulate and self.param.grad is not None:
-            self._on_grad(self.param)  # a gradient that no hook saw (requires_grad set later)
+        if self.accumulate and param is not None and param.grad is not None:
+            self._on_grad(param)  # a gradient that no hook saw (requires_grad set later)
         self._fold()
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.event = None  # a copy in flight lands in staging and is dropped
         for t in (self.param,) if self.kind == "shared" else (self.master, self.param):
-            if t.grad is not None:
+            if t is not None and t.grad is not None:
                 if set_to_none:
                     t.grad = None
                 else:
@@ -166,9 +184,9 @@ class OffloadedParam:
         """Before a step: a copy parameter changed on the device since the last step (a model
         checkpoint loaded, an in-place edit) becomes the master, unless it equals the master
         rounded to its dtype (the exact master loaded by the optimizer is kept then)."""
-        if self.kind != "copy" or self.param._version == self.version:
-            return
         param = self.param
+        if self.kind != "copy" or param is None or param._version == self.version:
+            return
         if not torch.equal(param, self.master.to(param.device, param.dtype)):
             if self.stream is not None:
                 self.stream.synchronize()  # the last step's copy may still read the master
@@ -179,14 +197,15 @@ class OffloadedParam:
     def push(self) -> None:
         """After a step: a copy parameter's device values from the new master (fp8 ones are cast
         from the master by the next forward; shared ones are the master)."""
-        if self.kind != "copy":
+        param = self.param
+        if self.kind != "copy" or param is None:
             return
         if self.stream is None:
-            self.param.copy_(self.master)
+            param.copy_(self.master)
         else:
             with torch.cuda.stream(self.stream):
-                self.param.copy_(self.master, non_blocking=True)
-        self.version = self.param._version
+                param.copy_(self.master, non_blocking=True)
+        self.version = param._version
 
     @torch.no_grad()
     def load_master(self, value: torch.Tensor) -> None:

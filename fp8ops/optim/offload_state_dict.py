@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..nn.caches import caches_by_name
+from ..nn.caches import caches_by_name, readers_by_weight
 from .host_weight import OffloadedWeight
 
 _MARK = "_fp8ops_offload_state_dict"  # in a module's __dict__: its hooks are installed
 
 
 def install(module: nn.Module) -> None:
-    """Give `module` the hooks (once)."""
+    """Give `module` the hooks (once). The state_dict hook goes first, so that the module's
+    other state_dict hooks, the user's included, see the weight's values."""
     if module.__dict__.get(_MARK):
         return
-    module.register_state_dict_post_hook(_save)
+    handle = module.register_state_dict_post_hook(_save)
+    module._state_dict_hooks.move_to_end(handle.id, last=False)
     module.register_load_state_dict_pre_hook(_load)
     module.register_load_state_dict_post_hook(_loaded)
     module.__dict__[_MARK] = True
@@ -38,22 +40,22 @@ def _load(module, state_dict, prefix, local_metadata, strict, missing_keys, unex
           error_msgs) -> None:
     """Load an offloaded weight into its host master and take its key out of the checkpoint, so
     that the module's own loading leaves the placeholder alone (_loaded takes the key out of the
-    missing ones). A changed master ends the casts made from the old values."""
-    loaded = module.__dict__.setdefault("_fp8ops_offload_loaded", [])
+    missing ones). A changed master ends the casts made from the old values, in every layer
+    that casts the weight (a weight tied across modules: the others see an unchanged master)."""
+    loaded = module.__dict__["_fp8ops_offload_loaded"] = []  # (this load's: none left before)
     for name, param in _offloaded(module):
         key = prefix + name
         if key not in state_dict:
             continue
         value = state_dict.pop(key)
-        loaded.append(key)
+        loaded.append(key)  # (a size mismatch is an error of its own, not a missing key)
         if tuple(value.shape) != tuple(param.shape):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape "
                               f"{tuple(value.shape)} from checkpoint, the shape in current "
                               f"model is {tuple(param.shape)}.")
         elif param._host.load_(value):
-            cache = caches_by_name(module).get(name)
-            if cache is not None:
-                cache.invalidate()
+            for mod, weight in readers_by_weight([param]).get(id(param), []):
+                caches_by_name(mod)[weight].invalidate()
 
 
 def _loaded(module, incompatible_keys) -> None:

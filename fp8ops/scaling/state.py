@@ -145,7 +145,11 @@ class ScalingState(LocalRecords, nn.Module):
         if torch.compiler.is_compiling() or _capturing(weight):
             return cast(weight, live, None)[0]
         source = None if cache.source is None else cache.source()
-        if source is not None and source is not weight:
+        if cache.host is not None:
+            # the values change with the generation, or with a write to the master in place (a
+            # state_dict tensor edited), which its version shows
+            source = cache.host.master
+        elif source is not None and source is not weight:
             trust = max(trust, BACKWARD)  # FSDP2: values change with the source
         else:
             source = None
