@@ -58,8 +58,8 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
 class OffloadedParam:
     def __init__(self, param: torch.Tensor, name: str, readers: list, offload_gradients: bool,
                  stream: Optional["torch.cuda.Stream"]):
-        """readers: [(module, name)] of the FP8 modules that cast param (caches.readers_by_weight),
-        held weakly (the gradient hook keeps this object alive as long as the parameter)."""
+        """readers: [(module, name)] of the FP8 modules that cast param (caches.readers_by_weight).
+        The parameter and the modules are held weakly (_OWNED says why)."""
         self._param, self.name, self.dtype = weakref.ref(param), name, param.dtype
         self.readers = [(weakref.ref(module), attr) for module, attr in readers]
         self.kind = ("fp8" if readers else
