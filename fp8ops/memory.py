@@ -57,11 +57,8 @@ def fp8_weight_tensors(layer) -> list:
 def expert_cast_tensors(module) -> list:
     """The cached FP8 casts of a mixture-of-experts module's 3-D weights: an FP8GroupedLinear's,
     or those of a transformers experts module convert_to_fp8 converted (fp8_weight_caches)."""
-    caches = list(module.__dict__.get("fp8_weight_caches", {}).values())
-    cache = module.__dict__.get("weight_cache")
-    if cache is not None and hasattr(cache, "payload_tensors"):
-        caches.append(cache)
-    return [t for c in caches for t in c.payload_tensors()]
+    from .nn.caches import caches_by_name
+    return [t for c in caches_by_name(module).values() for t in c.payload_tensors()]
 
 
 def fp8_weight_bytes(layer) -> int:
