@@ -114,6 +114,29 @@ def _ddp_worker(rank, out_dir):
     return res
 
 
+def accumulate(model, opt, steps=3, micro=2):
+    """Gradient accumulation over `micro` batches a step, the same batches on every rank (so that
+    the data-parallel mean of the gradients is each rank's own, exactly), with no no_sync():
+    every micro-batch's backward all-reduces. Returns the losses."""
+    losses = []
+    for s in range(steps):
+        for m in range(micro):
+            x, y = local_batch(100 + micro * s + m, 0)
+            loss = F.mse_loss(model(x), y) / micro
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _ddp_accum_worker(rank, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = make_model()
+    ddp = DDP(model)
+    return accumulate(ddp, make_opt(ddp)), fp8_states(model)
+
+
 def stale_weight_casts(model):
     """Per FP8 layer of the sharded model: whether the FP8 weight its forward used differs from
     the cast of the weight it was given (a stale cache). For FSDP2's high-precision gather
@@ -380,6 +403,18 @@ def test_dp_tolerance_catches_lost_amax(ddp, single):
     assert ((bad - ref).abs() / ref).max() > 3 * RTOL
     hist = "0.fp8_state.input.amax_history"  # and the ranks' scaling states did diverge
     assert not torch.equal(r0["lost_state"][hist], r1["lost_state"][hist])
+
+
+def test_ddp_gradient_accumulation_steps_the_weight_once_per_step():
+    """DDP writes the all-reduced gradient into param.grad in place at the end of each backward:
+    the weight cache's gradient voucher must follow that write, or the next micro-batch recasts
+    the weight and steps its delayed scaling again. Bit for bit one process."""
+    model = make_model()
+    want = accumulate(model, make_opt(model)), fp8_states(model)
+    for losses, state in spawn(_ddp_accum_worker):
+        assert losses == want[0]
+        assert state["0.fp8_state.weight.step"].item() == 3
+        _assert_same_state([state, want[1]])
 
 
 def test_fsdp2_matches_ddp(ddp):

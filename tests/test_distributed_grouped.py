@@ -131,6 +131,23 @@ def _train(mode, rank, counts):
 _real_all_reduce = dist.all_reduce
 
 
+def _accumulate(model, steps=3, micro=2):
+    """Two micro-batches a step, the same on every rank, no no_sync(): the states after it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        for m in range(micro):
+            x, offsets, dy = local_batch(10 * step + m, 0)
+            _step(model, x, offsets, dy / micro)
+        opt.step()
+        opt.zero_grad()
+
+
+def _ddp_accum_worker(rank, out_dir):
+    model = make_model()
+    _accumulate(nn.parallel.DistributedDataParallel(model))
+    return fp8_states(model)
+
+
 def _mismatch(rank):
     """Ranks whose grouped layers have different recipes: the first collective raises."""
     group = dist.new_group(list(range(WORLD)))  # not yet checked by the runs before
@@ -201,6 +218,17 @@ def _assert_states_equal(got, want, what):
     assert got.keys() == want.keys(), what
     for k, v in want.items():
         assert torch.equal(got[k], v), (what, k, got[k], v)
+
+
+def test_ddp_gradient_accumulation_steps_each_experts_weight_once_per_step():
+    """DDP's in-place write of the all-reduced gradient at the end of each backward must not
+    end the experts' cast's accumulation window (tests/test_distributed.py: the dense layer)."""
+    model = make_model()
+    _accumulate(model)
+    want = fp8_states(model)
+    for got in spawn(_ddp_accum_worker):
+        assert torch.equal(got["up.fp8_state.weight.step"], torch.full((EXPERTS,), 3))
+        _assert_states_equal(got, want, "DDP with accumulation")
 
 
 def test_the_setup_routes_differently_on_each_rank():

@@ -32,22 +32,13 @@ from typing import Optional
 
 import torch
 
+from ..distributed.world import WORLD, initialized as _distributed
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                        grad_margin, recipe_formats)
 from ..scaling.role import BUFFERS
 from ..scaling.weight_cache import GRADIENT, KEY
 from .fallback import crossover
 from .functional import linear
-
-try:  # under torch.distributed the delayed roles' records cross ranks: the Python path's
-    from torch.distributed import distributed_c10d as _c10d
-except ImportError:  # a build of torch without torch.distributed
-    _c10d = None
-# where torch keeps the default process group: read as an attribute, as is_initialized() reads
-# it through two properties (three Python calls a step); is_initialized() where it moved
-_WORLD = getattr(_c10d, "_world", None)
-if not hasattr(_WORLD, "_default_pg"):
-    _WORLD = None
 
 _state = {"loaded": None}
 
@@ -180,8 +171,7 @@ def run_delayed(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
     input_role, weight_role, grad_role = state.delayed_roles
     recompute = torch._C._current_graph_task_id() != -1
     if (recompute and not grad_role.started) or (
-            _WORLD._default_pg is not None if _WORLD is not None else
-            _c10d is not None and _c10d.is_initialized()):
+            WORLD._default_pg is not None if WORLD is not None else _distributed()):
         return linear(input, weight, bias, state=state)
     cache = state.weight_cache
     live = state.recording and not recompute

@@ -15,12 +15,14 @@ fooled vouches that the values are those it was cast from:
     `p.data` update) is cast every forward; and
   - a backward since the cast: the weight's gradient is still the one the FP8 backward of that
     cast accumulated (the `mark`, taken by a post-accumulate-grad hook only after that backward:
-    a call that fell back to nn.Linear's GEMMs writes the gradient without vouching). So eval
-    forwards and forwards no backward followed recast too. Other vouchers: activation
-    checkpointing's recompute (the forward's own cast: the key alone), a weight whose values
-    only the generation can change (an offloaded host master; FSDP2's gathered copy of its
-    sharded parameter: a backward since the cast), and vouch() (the caller's word, as Transformer
-    Engine's is_first_microbatch=False: the key alone, until the generation moves).
+    a call that fell back to nn.Linear's GEMMs writes the gradient without vouching; under
+    torch.distributed the mark follows DDP's in-place write of the all-reduced gradient at the
+    end of the same backward pass). So eval forwards and forwards no backward followed recast
+    too. Other vouchers: activation checkpointing's recompute (the forward's own cast: the key
+    alone), a weight whose values only the generation can change (an offloaded host master;
+    FSDP2's gathered copy of its sharded parameter: a backward since the cast), and vouch()
+    (the caller's word, as Transformer Engine's is_first_microbatch=False: the key alone, until
+    the generation moves).
 A gradient alone never vouches: it cannot tell a micro-batch of an accumulation window from a
 hand-written loop's next step after a `p.data` update.
 
@@ -49,6 +51,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
+
+from ..distributed.world import WORLD, initialized as distributed_initialized
 
 NO_MARK = None  # no gradient vouches for the entry
 
@@ -180,6 +184,29 @@ def after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(after_optimizer_step)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def _after_backward(cache_ref, param: torch.Tensor, *, queued: bool = False) -> None:
+    """At the end of the backward pass in which the FP8 backward of a cached cast accumulated
+    param's gradient (a callback of the autograd engine): queued once more, so that it runs
+    after the callbacks queued during the pass (DDP's reducer, which writes the all-reduced
+    gradient into the same tensor), then the gradient's mark takes that write in. Only the same
+    gradient tensor, written in place since, is followed: a gradient replaced or taken away
+    vouches for nothing, as before."""
+    if not queued:
+        _ENGINE.queue_callback(functools.partial(_after_backward, cache_ref, param, queued=True))
+        return
+    cache = cache_ref()
+    entry = None if cache is None else cache.entry
+    if entry is None or entry.mark is NO_MARK or entry.param is None or entry.param() is not param:
+        return
+    ref, version = entry.mark
+    g = param.grad
+    if ref is not None and g is not None and ref() is g and g._version != version:
+        cache.entry = tuple.__new__(CachedCast, (*entry[:7], (ref, g._version), *entry[8:]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,6 +433,12 @@ class WeightCache:
             g = param.grad  # grad_mark(param); the tuple built as _replace would, without its calls
             mark = (None, -1) if g is None else (weakref.ref(g), g._version)
             self.entry = tuple.__new__(CachedCast, (*entry[:7], mark, *entry[8:]))
+            if g is not None and (WORLD._default_pg is not None if WORLD is not None
+                                  else distributed_initialized()):
+                # data parallelism (DDP) writes the reduced gradient into it, in place, at the
+                # end of this backward pass: the mark follows that write (_after_backward)
+                _ENGINE.queue_callback(functools.partial(_after_backward, weakref.ref(self),
+                                                         param))
 
     @property
     def trust(self) -> int:
