@@ -9,6 +9,7 @@ scales agree. DDP runs with its defaults (buffers broadcast from rank 0 before e
 that is harmless only because every fp8 buffer is identical on every rank between steps."""
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -135,6 +136,38 @@ def _ddp_accum_worker(rank, out_dir):
     model = make_model()
     ddp = DDP(model)
     return accumulate(ddp, make_opt(ddp)), fp8_states(model)
+
+
+def _compiled_worker(rank, out_dir):
+    """torch.compile over DDP (delayed scaling) and over tensor-parallel layers (current and
+    delayed), each compiled before any eager step: the first amax all-reduce, with the recipe
+    agreement check before it, happens inside the compiled region."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    torch._dynamo.reset()
+    out = {}
+    for name in ("ddp_delayed", "tp_current", "tp_delayed"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        recipe = fp8ops.CurrentScaling() if name == "tp_current" else fp8ops.DelayedScaling()
+        model = fp8ops.convert_to_fp8(model, recipe)
+        if name == "ddp_delayed":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            parallelize_module(model, init_device_mesh("cpu", (WORLD,)),
+                               {"0": fp8ops.FP8ColwiseParallel(), "2": fp8ops.FP8RowwiseParallel()})
+        compiled = torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        for step in range(2):  # the same batch: the loss falls
+            loss = compiled(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
 
 
 def stale_weight_casts(model):
@@ -415,6 +448,15 @@ def test_ddp_gradient_accumulation_steps_the_weight_once_per_step():
         assert losses == want[0]
         assert state["0.fp8_state.weight.step"].item() == 3
         _assert_same_state([state, want[1]])
+
+
+def test_compiled_ddp_and_tensor_parallel_layers_train():
+    """The recipe agreement check is an object collective, which cannot be traced: under
+    torch.compile it waits for an eager collective instead of failing the first step."""
+    r0, r1 = spawn(_compiled_worker)
+    for name, losses in r0.items():
+        assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0], (name, losses)
+        assert r1[name] == losses, name  # the same data on both ranks
 
 
 def test_fsdp2_matches_ddp(ddp):

@@ -4,12 +4,15 @@ does not; FSDP2 gathers FP8 bytes for one and high-precision values for the othe
 each other until the group's timeout. So before a group's first fp8ops collective every rank's
 recipe is gathered once, and a mismatch raises an error that names both recipes. FSDP2 checks
 each layer when fully_shard hands it its sharded weight (every rank shards the same layers in the
-same order), so that a mismatch anywhere in the model is caught there, before training."""
+same order), so that a mismatch anywhere in the model is caught there, before training. Under
+torch.compile an object collective cannot be traced: a group is checked by its first fp8ops
+collective outside a compiled region (or by sharding), none if every one is compiled."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 # the process groups already checked, by id (WORLD as None)
@@ -29,6 +32,11 @@ def check_recipes(recipe, group=None, *, once: bool = True, what: str = "") -> N
     (one all_gather_object; with once=True only before the group's first fp8ops collective).
     what: the layer checked, for the message."""
     if not (dist.is_available() and dist.is_initialized()):
+        return
+    if torch.compiler.is_compiling():
+        # an object collective cannot be traced: the group is checked by its first collective
+        # outside a compiled region (FSDP2 and the tensor-parallel styles check their layers
+        # eagerly, when sharding)
         return
     key = None if group is None else id(group)
     if once:
