@@ -137,8 +137,9 @@ def test_mixtral_trains_under_autocast(recipe):
     assert fp8.model.layers[0].mlp.experts.down_proj.dtype == torch.float32
 
 
-def _train_mixtral(model, opt, steps=3):
-    gen = torch.Generator().manual_seed(3)
+def _train_mixtral(model, opt, steps=3, seed=3):
+    """The losses of `steps` optimizer steps on the batches of `seed`."""
+    gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
         loss = model(**_batch(gen)).loss
@@ -167,47 +168,23 @@ def test_mixtral_in_bf16_trains_with_fp8adamw(recipe):
     assert opt.state[experts.gate_up_proj]["m"].dtype == torch.float8_e4m3fn  # FP8 moments
 
 
-def test_mixtral_trains_under_cpu_offload():
-    """CPUOffloadOptimizer with converted experts: their 3-D weights are ordinary parameters of
-    the offloaded optimizer (a host master each), stepped there and copied back, and the
-    experts' casts follow every step: the losses are AdamW's on the device, to float32 noise."""
-    fp8 = fp8ops.convert_to_fp8(_model("mixtral"))
-    ref = fp8ops.convert_to_fp8(_model("mixtral"))
-    got = _train_mixtral(fp8, fp8ops.CPUOffloadOptimizer(fp8.parameters(), torch.optim.AdamW,
-                                                          lr=1e-3))
-    want = _train_mixtral(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
-    assert got[0] == want[0]
-    assert got == pytest.approx(want, rel=1e-3)
-
-
-def _train_steps(model, opt, gen, steps=2):
-    losses = []
-    for _ in range(steps):
-        loss = model(**_batch(gen)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def test_state_dict_resume_is_exact():
     """The resume README gives for MoE models: torch.save of the model's and the optimizer's
     state_dicts (the experts' delayed-scaling buffers included) continues bit for bit."""
     model = fp8ops.convert_to_fp8(_model("mixtral"), fp8ops.DelayedScaling())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train_steps(model, opt, torch.Generator().manual_seed(0))
+    _train_mixtral(model, opt, steps=2, seed=0)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     assert any(".experts.fp8_state." in k for k in ckpt["model"])
-    want = _train_steps(model, opt, torch.Generator().manual_seed(1))
+    want = _train_mixtral(model, opt, steps=2, seed=1)
     fresh = fp8ops.convert_to_fp8(_model("mixtral", seed=5), fp8ops.DelayedScaling())
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     fresh.load_state_dict(ckpt["model"])
     fresh_opt.load_state_dict(ckpt["opt"])
-    assert _train_steps(fresh, fresh_opt, torch.Generator().manual_seed(1)) == want
+    assert _train_mixtral(fresh, fresh_opt, steps=2, seed=1) == want
 
 
 def test_save_pretrained_round_trip_is_exact(tmp_path):
