@@ -539,6 +539,31 @@ def test_a_new_storage_is_cast_with_its_own_amax(recipe):
     _assert_fresh(layer, x)
 
 
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[1], RECIPES[4]],
+                         ids=["current", "delayed", "blockwise"])
+def test_a_new_storage_at_the_old_address_is_not_taken_for_the_old_one(recipe):
+    """`p.data = new` keeps the version counter: were the old storage freed, the allocator
+    could hand its address to the new one and the key would match. Mid-window, with an
+    optimizer holding the weight, over many trials (the allocator reused the address in about
+    half of them before the cache kept the storage its cast was made from)."""
+    x = torch.randn(8, 32)
+    for trial in range(10):
+        torch.manual_seed(trial)
+        layer = fp8ops.FP8Linear(32, 48, recipe=recipe)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+        for i in range(3):
+            layer(x).square().mean().backward()
+            if i < 2:  # two steps, then one micro-batch of the next window
+                opt.step()
+                opt.zero_grad()
+        layer.weight.data = layer.weight.data * 0.3  # new storages, the old ones dropped
+        layer.weight.data = layer.weight.data * 0.3
+        _assert_fresh(layer, x)
+        if recipe is RECIPES[1]:  # a checkpoint taken now continues as the layer does
+            copied = copy.deepcopy(layer)
+            assert torch.equal(copied(x), layer(x)), trial
+
+
 # ---------------------------------------------------------------------------------------------
 # WeightCache's own API
 # ---------------------------------------------------------------------------------------------

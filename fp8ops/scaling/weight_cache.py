@@ -4,8 +4,9 @@ A weight's values can change where no counter shows it: `p.data.add_()`, `p.data
 `vector_to_parameters` move no version counter, and FSDP2 writes its gathered weight under
 `_unsafe_preserve_version_counter`. So a cast is reused only while something that cannot be
 fooled vouches that the values are those it was cast from:
-  - the key: the same tensor view (data_ptr, storage offset, dtype, shape, strides, device) at
-    the same version counter, and the same generation of the layer's weight. The generation
+  - the key: the same tensor view (data_ptr, storage offset, dtype, shape, strides, device; the
+    cache holds the cast's storage, so no new storage can be given its address) at the same
+    version counter, and the same generation of the layer's weight. The generation
     moves when an optimizer that holds the weight steps (a `torch.optim` step post-hook that
     looks at that optimizer's own parameters: another model's optimizer never touches this
     layer), when a checkpoint is loaded, an offloaded master changes or invalidate() is called;
@@ -236,6 +237,10 @@ class WeightCache:
         self._vouched = None  # the generation vouch() vouched for
         self._miss = None  # what lookup() found for store(): (where, values, entry or None)
         self._kept = None  # (key, tensor): bytes a gather kept for its backward (keep)
+        # the storage the cached cast was made from, held so that no other storage can take its
+        # address while the cast may be reused: `p.data = new` keeps the version counter, and a
+        # new storage at the old address would match the key
+        self._storage = None
 
     # -- the rule ------------------------------------------------------------------------------
     @property
@@ -349,6 +354,7 @@ class WeightCache:
                                                     window.stepped, generation, inference, ref,
                                                     mark, 0, False))
         self._miss = None
+        self._storage = weight.untyped_storage()
         hooked, watched = self._hooked, self._watched
         if (hooked is None or hooked[0]() is not param or watched is None
                 or watched() is not (param if self.host is None else self.host.master)):
@@ -461,6 +467,14 @@ class WeightCache:
         param = entry.param()
         if param is None or param._version != entry.values[0]:  # a view shares its base's counter
             return None
+        # what lookup also sees: another storage (`p.data = ...`), the source's writes
+        storage = self._storage
+        if storage is not None and param.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        source = self.host.master if self.host is not None else self.source_tensor()
+        if entry.values[1] is not None and (
+                source is None or entry.values[1] != (id(source), source._version)):
+            return None
         reused = (entry.mark is not NO_MARK if self.trust == BACKWARD
                   else mark_matches(entry.mark, param))
         return entry.scale if reused else None
@@ -472,6 +486,7 @@ class WeightCache:
         self.entry = None if scale is None else CachedCast(None, None, scale, True,
                                                            self.generation.value)
         self._kept = None
+        self._storage = None  # (no payload to reuse: nothing to tell apart)
 
     @property
     def restored(self) -> bool:
