@@ -467,9 +467,12 @@ class WeightCache:
         param = entry.param()
         if param is None or param._version != entry.values[0]:  # a view shares its base's counter
             return None
-        # what lookup also sees: another storage (`p.data = ...`), the source's writes
+        # what lookup also sees: another storage (`p.data = ...`), the source's writes. (A
+        # weight gathered from a source, FSDP2's, has its storage freed between forwards: its
+        # source's version tells instead.)
         storage = self._storage
-        if storage is not None and param.untyped_storage().data_ptr() != storage.data_ptr():
+        if (storage is not None and self.source is None
+                and param.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
         source = self.host.master if self.host is not None else self.source_tensor()
         if entry.values[1] is not None and (
