@@ -566,16 +566,16 @@ CACHE_RECIPES = {"current": fp8ops.CurrentScaling(), "blockwise": fp8ops.Blockwi
 @pytest.fixture
 def expert_casts(monkeypatch):
     """Counts the experts' weight casts (every expert of a weight at once)."""
-    from fp8ops.nn import grouped
+    from fp8ops.nn import quantizers
     calls = []
     for name in ("quantize_experts_current", "quantize_experts_blockwise"):
-        real = getattr(grouped, name)
+        real = getattr(quantizers, name)
 
         def counted(*args, _real=real, **kwargs):
             calls.append(args[0].shape)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(grouped, name, counted)
+        monkeypatch.setattr(quantizers, name, counted)
     return calls
 
 

@@ -307,15 +307,15 @@ def test_experts_weights_cast_once_per_step_and_train_as_without_the_cache(name,
     """Two micro-batches per optimizer step: after the first step each 3-D parameter is cast
     once per step (not once per micro-batch), and the losses and weights are those of the same
     model casting every call (no caches), bit for bit."""
-    from fp8ops.nn import grouped
+    from fp8ops.nn import quantizers
     calls = []
-    real = grouped.quantize_experts_current
+    real = quantizers.quantize_experts_current
 
     def counted(*args, **kwargs):
         calls.append(tuple(args[0].shape))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(grouped, "quantize_experts_current", counted)
+    monkeypatch.setattr(quantizers, "quantize_experts_current", counted)
     cached, plain = _model(name), _model(name)
     for model in (cached, plain):
         fp8ops.convert_to_fp8(model)

@@ -82,16 +82,16 @@ def test_grouped_layer_trains_as_adamw_bit_for_bit(recipe, micro):
 def test_each_step_casts_the_new_master_once(monkeypatch):
     """The experts are cast from the master once per step, for all the micro-batches of its
     accumulation window, and the cast is that of the master's values."""
-    import fp8ops.nn.grouped as grouped
+    import fp8ops.nn.quantizers as quantizers
     layer = _layer(RECIPES[0])
     opt = _offload(layer)
-    cast, masters = grouped.quantize_experts_current, []
+    cast, masters = quantizers.quantize_experts_current, []
 
-    def recording(w, *args):
+    def recording(w, *args, **kwargs):
         masters.append(w.clone())
-        return cast(w, *args)
+        return cast(w, *args, **kwargs)
 
-    monkeypatch.setattr(grouped, "quantize_experts_current", recording)
+    monkeypatch.setattr(quantizers, "quantize_experts_current", recording)
     counts = []
     for micro in _inputs(3, 3, 3):
         before, weight = len(masters), opt.master_of(layer.weight).clone()

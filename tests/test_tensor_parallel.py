@@ -228,12 +228,12 @@ def _tp_worker(rank, out_dir):
     res["fp8_gathers"]["current_local_input"] = dict(counts)
     # a broken run: each rank casts its shards with its own amax (the all-reduce left out)
     model = parallelize_module(make_model(RECIPES["current"]), mesh, tp_plan())
-    shard_amax = fp8ops.nn.autograd.shard_amax
-    fp8ops.nn.autograd.shard_amax = lambda amax, mesh, recipe=None: amax
+    shard_amax = fp8ops.nn.per_tensor_cast.shard_amax
+    fp8ops.nn.per_tensor_cast.shard_amax = lambda amax, mesh, recipe=None: amax
     try:
         res["lost_amax"] = train(model)
     finally:
-        fp8ops.nn.autograd.shard_amax = shard_amax
+        fp8ops.nn.per_tensor_cast.shard_amax = shard_amax
     model = parallelize_module(make_model(RECIPES["delayed"]), mesh, tp_plan())
     res["manual"] = train(model, manual=True)
     res["errors"] = _errors(mesh)

@@ -56,11 +56,9 @@ from torch.utils._pytree import tree_map_only
 from ..nn.autograd import in_recompute
 from ..nn.functional import linear
 from ..nn.grouped import FP8GroupedLinear
-from ..ops.expert_casts import (experts_amax, quantize_experts_blockwise,
-                                quantize_experts_current, quantize_experts_scaled,
-                                transpose_experts)
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, current_scale,
-                       recipe_formats, weight_cache)
+from ..nn.quantizers import quantizer_for
+from ..ops.expert_casts import experts_amax, quantize_experts_scaled, transpose_experts
+from ..scaling import current_scale, recipe_formats, weight_cache
 from .amax import all_reduce_amax
 from .tensor_parallel import TP_WEIGHT
 
@@ -95,15 +93,13 @@ def gathers_fp8(layer, dtensor: DTensor) -> bool:
         return reason is None
     if tuple(dtensor.placements) != (Shard(0),) or dtensor.device_mesh.ndim != 1:
         return False
-    recipe = layer.recipe
-    if isinstance(recipe, DelayedScaling):
+    quantizer = quantizer_for(layer.recipe)
+    if not quantizer.gathers_fp8:
+        return False
+    if quantizer.scale_block is None:  # one scale per tensor: any rows
         return True
-    if isinstance(recipe, CurrentScaling):
-        return recipe.amax_percentile is None
-    if isinstance(recipe, BlockwiseScaling):
-        rows, world = dtensor.shape[0], dtensor.device_mesh.size()
-        return not layer.weight_transposed and rows % (BLOCK * world) == 0
-    return False
+    rows, world = dtensor.shape[0], dtensor.device_mesh.size()
+    return not layer.weight_transposed and rows % (quantizer.scale_block * world) == 0
 
 
 def install(layer, dtensor: DTensor) -> None:
@@ -135,9 +131,10 @@ def experts_gather_refusal(layer, dtensor: DTensor) -> Optional[str]:
         return (f"the weight is placed {tuple(dtensor.placements)} on a {dtensor.device_mesh.ndim}"
                 f"-D mesh, not Shard(0) (whole experts per rank) on a 1-D one: an expert split "
                 f"over ranks would need its scale from every piece")
-    if not isinstance(layer.recipe, (CurrentScaling, BlockwiseScaling, DelayedScaling)):
+    quantizer = quantizer_for(layer.recipe)
+    if not quantizer.grouped:
         return f"{type(layer.recipe).__name__} has no FP8 gather for experts"
-    if isinstance(layer.recipe, DelayedScaling) and layer.state is None:
+    if quantizer.delayed and layer.state is None:
         return "the delayed-scaling experts have no ExpertScalingState of their recipe yet"
     if layer.transposed:
         return ("the experts are stored [E, in, out] (is_transposed): the gathered FP8 bytes "
@@ -186,7 +183,7 @@ class ExpertParameter:
         if states is not None and not isinstance(module, FP8GroupedLinear):
             states = states[self.name] if self.name in states else None
         recipe = self.recipe
-        if states is None or not isinstance(recipe, DelayedScaling) or states.recipe != recipe:
+        if states is None or not quantizer_for(recipe).delayed or states.recipe != recipe:
             return None
         return states
 
@@ -324,7 +321,7 @@ class FP8WeightShard(torch.Tensor):
             kind, data, scale_inv = _experts_shard_cast(layer, self._data, dtype, mesh)
             return _with_scales(data, scale_inv, mesh), (kind, fwd.dtype,
                                                          tuple(scale_inv.shape[1:]))
-        if isinstance(recipe, BlockwiseScaling):
+        if quantizer_for(recipe).kind == "blockwise":  # 128x128 blocks, whole in the shard
             values = self._data.to(dtype)
             data, scale_inv = _ops.quantize_blockwise(values, fwd.dtype, BLOCK, BLOCK,
                                                       recipe.power_of_two)
@@ -498,7 +495,7 @@ def _experts_shard_cast(layer, shard: torch.Tensor, dtype: torch.dtype, mesh) ->
     cache, recipe = layer.weight_cache, layer.recipe
     made_for = (recipe, dtype)
     backward = torch._C._current_graph_task_id() != -1
-    if isinstance(recipe, DelayedScaling):
+    if quantizer_for(recipe).delayed:
         held = _held_experts(shard, mesh)
         cast = _delayed_shard_cast(layer.state, recipe, shard, dtype, held, made_for)
         live = not backward and layer.module.training and not in_recompute()
@@ -573,14 +570,11 @@ def _stored_shard(cache, shard: torch.Tensor) -> torch.Tensor:
 def _cast_expert_values(values: torch.Tensor, recipe) -> tuple:
     """(kind, data, scale_inv) of experts [E, out, in]: the expert casts of the grouped layer,
     without their transposed copies (made after the gather: FP8GatheredWeight.expert_payload)."""
-    fwd, _ = recipe_formats(recipe)
-    if isinstance(recipe, BlockwiseScaling):
-        data, scale_inv, _, _ = quantize_experts_blockwise(values, fwd.dtype,
-                                                           recipe.power_of_two, transpose=False)
-        return "experts_blockwise", data, scale_inv
-    data, _, _, scale_inv = quantize_experts_current(values, fwd.dtype, recipe.margin,
-                                                     recipe.power_of_two, transpose=False)
-    return "experts", data, scale_inv
+    quantizer = quantizer_for(recipe)
+    cast = quantizer.expert_cast(values, transpose=False)
+    if quantizer.kind == "blockwise":  # (data, scale_inv, data^T, scale_inv^T)
+        return "experts_blockwise", cast[0], cast[1]
+    return "experts", cast[0], cast[2]  # (data, data^T, scale_inv)
 
 
 def _stepped_cast(cache) -> bool:
@@ -786,7 +780,7 @@ def _reduce_changed(layer, device: torch.device, dtype: torch.dtype) -> None:
     layers, keys = [], []
     others = [] if serial is None else [ref() for ref in _GATHERING]
     for other in others + ([] if layer in others else [layer]):
-        if other is None or isinstance(other.recipe, BlockwiseScaling):
+        if other is None or quantizer_for(other.recipe).scale_block is not None:
             continue
         cache = other.fp8_state.weight_cache
         if cache.source_tensor() is None or _group(other.fp8_state) is not group:

@@ -37,11 +37,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel)
 
 from ..formats import get_format
-from ..nn.autograd import linear_per_tensor, output_dtype
+from ..nn.autograd import output_dtype
 from ..nn.functional import linear
 from ..nn.modules import FP8Conv1D, FP8Linear
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
-                       current_scale, weight_cache)
+from ..nn.quantizers import quantizer_for
+from ..scaling import CurrentScaling, current_scale, weight_cache
 from .amax import shard_amax
 
 __all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput"]
@@ -77,19 +77,10 @@ def _check_module(module: nn.Module, style: str) -> None:
                          f"twice?)")
 
 
-def _block(recipe) -> Optional[int]:
-    """The length of a scale block along a sharded dimension (None: one scale per tensor)."""
-    if isinstance(recipe, MXFP8Scaling):
-        return recipe.block_size
-    if isinstance(recipe, BlockwiseScaling):
-        return 128
-    return None
-
-
 def _check_blocks(recipe, size: int, world: int, what: str, style: str) -> None:
     """Each shard must start on a block boundary: then every block lies within one rank and the
     shards cast to the bytes of the whole tensor's cast. DTensor cuts as torch.chunk does."""
-    block = _block(recipe)
+    block = quantizer_for(recipe).scale_block
     chunk = -(-size // world)
     if block is None or world == 1 or chunk % block == 0:
         return
@@ -164,7 +155,7 @@ def _before_state_dict(module: FP8Linear, prefix, keep_vars) -> None:
 
 def _prepare_weight(module: FP8Linear, sharded_roles) -> None:
     state = module.fp8_state
-    if (isinstance(state.recipe, (CurrentScaling, DelayedScaling))
+    if (quantizer_for(state.recipe).scale_block is None
             and not all(role in state.shard_meshes for role in sharded_roles)):
         raise RuntimeError("fp8ops: this tensor-parallel FP8Linear's FP8 state was replaced "
                            "after parallelize_module (convert_to_fp8 with another recipe?): its "
@@ -177,7 +168,7 @@ def _prepare_weight(module: FP8Linear, sharded_roles) -> None:
 
 def _partition(module: FP8Linear, mesh, weight_dim: int, bias_placement, src_data_rank,
                sharded_roles) -> None:
-    if isinstance(module.recipe, (CurrentScaling, DelayedScaling)):  # (block scales: local)
+    if quantizer_for(module.recipe).scale_block is None:  # (block scales are local)
         for role in sharded_roles:
             module.fp8_state.shard_over(role, mesh)
     _shard(module, "weight", Shard(weight_dim), mesh, src_data_rank)
@@ -304,9 +295,8 @@ class _Gathered(NamedTuple):
         state = module.fp8_state
         state.follow_stream(x_local.device)
         x2 = x_local.reshape(-1, x_local.shape[-1])
-        y = linear_per_tensor(x2, weight, bias, self.recipe, state,
-                              (self.data, self.data_t, self.amax, self.scale),
-                              output_dtype(x_local))
+        y = quantizer_for(self.recipe).linear(x2, weight, bias, state, output_dtype(x_local),
+                                              (self.data, self.data_t, self.amax, self.scale))
         return y.reshape(*x_local.shape[:-1], weight.shape[0])
 
 
@@ -371,7 +361,7 @@ def _input_recipe(module: nn.Module, fqn: Optional[str]):
                          f"{type(module).__name__} have different recipes ({recipes}); name the "
                          f"layer whose recipe casts the input: fp8_module='...'")
     (recipe,) = recipes
-    if isinstance(recipe, CurrentScaling) and recipe.amax_percentile is None:
+    if quantizer_for(recipe).scales_from_max:
         return recipe
     return None
 

@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from .autograd import is_gathered, linear_blockwise, linear_mx, linear_per_tensor, output_dtype
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
-                      ScalingState, check_recipe)
+from .autograd import is_gathered, output_dtype
+from .quantizers import quantizer_for
+from ..scaling import ScalingState
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,8 +61,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         if recipe is not None and recipe != state.recipe:
             raise ValueError(f"recipe {recipe} differs from the state's recipe {state.recipe}")
         recipe = state.recipe
-    recipe = check_recipe(recipe)
-    if isinstance(recipe, DelayedScaling) and state is None:
+    quantizer = quantizer_for(recipe)
+    if quantizer.delayed and state is None:
         raise ValueError("DelayedScaling keeps an amax history: pass state=fp8ops.ScalingState("
                          "recipe) (FP8Linear does this for you)")
     if weight.shape[1] == 0:
@@ -73,19 +73,11 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     x2 = input.reshape(-1, weight.shape[1])
     out_dtype = output_dtype(input)
     if out_dtype == input.dtype:
-        y = _linear_2d(x2, weight, bias, recipe, state, out_dtype)
+        y = quantizer.linear(x2, weight, bias, state, out_dtype)
     else:  # autocast decided the output's dtype; nothing inside is for it to retype
         with torch.autocast(input.device.type, enabled=False):
-            y = _linear_2d(x2, weight, bias, recipe, state, out_dtype)
+            y = quantizer.linear(x2, weight, bias, state, out_dtype)
     return _unflatten(y, (*lead, weight.shape[0]))
-
-
-def _linear_2d(x2, weight, bias, recipe, state, out_dtype):
-    if isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        return linear_per_tensor(x2, weight, bias, recipe, state, out_dtype=out_dtype)
-    if isinstance(recipe, MXFP8Scaling):
-        return linear_mx(x2, weight, bias, recipe, state, out_dtype)
-    return linear_blockwise(x2, weight, bias, recipe, state, out_dtype)
 
 
 def _unflatten(y: torch.Tensor, shape: tuple) -> torch.Tensor:

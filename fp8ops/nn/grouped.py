@@ -48,16 +48,15 @@ import torch
 from torch import nn
 
 from ..distributed import amax_reduction, on_weight_set
-from ..ops.expert_casts import (experts_amax, quantize_experts_blockwise,
-                                quantize_experts_current, quantize_experts_scaled)
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache, check_recipe,
-                       grad_margin, recipe_formats)
+from ..ops.expert_casts import experts_amax, quantize_experts_scaled
+from ..scaling import WeightCache, grad_margin, recipe_formats
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
 from . import caches
 from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype,
                        steps_state, takes_warm_scale, weight_grad)
 from .functional import check_operands
+from .quantizers import quantizer_for
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -122,19 +121,10 @@ def _from_host(cast, host):
 def _fresh_expert_cast(recipe):
     """weight_cache.Cast of current and blockwise scaling: each expert from its own values (no
     step, no given scale)."""
-    fwd, _ = recipe_formats(recipe)
-    p2 = recipe.power_of_two
-    blockwise = isinstance(recipe, BlockwiseScaling)
+    quantizer = quantizer_for(recipe)
 
-    def cast(w, step, scale):
-        w = w.detach()
-        if blockwise:
-            tensors = quantize_experts_blockwise(w, fwd.dtype, p2)
-        else:
-            data, data_t, _, scale_inv = quantize_experts_current(w, fwd.dtype, recipe.margin,
-                                                                  p2)
-            tensors = (data, data_t, scale_inv)
-        return (recipe, tensors), None  # no per-tensor scale: one per expert, or blocks
+    def cast(w, step, scale):  # no per-tensor scale: one per expert, or blocks
+        return (recipe, quantizer.expert_cast(w.detach())), None
     return cast
 
 
@@ -323,6 +313,10 @@ class GroupedLinearDelayed(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
+# the Function of each recipe that casts the experts from their own values
+_FUNCTIONS = {"current": GroupedLinearCurrent, "blockwise": GroupedLinearBlockwise}
+
+
 def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
                             state: ExpertScalingState, host=None):
     """The dense delayed path (autograd.linear_per_tensor) per expert: the weight cast, then X's
@@ -366,21 +360,12 @@ def _check(x, weight, offsets, bias) -> None:
 
 
 def _check_grouped_recipe(recipe):
-    recipe = check_recipe(recipe)
-    if isinstance(recipe, CurrentScaling):
-        if recipe.amax_percentile is not None or recipe.grad_rounding == "stochastic":
-            raise NotImplementedError("grouped_linear takes CurrentScaling without "
-                                      "amax_percentile and with round-to-nearest gradients")
-        return recipe
-    if isinstance(recipe, DelayedScaling):
-        if recipe.grad_rounding == "stochastic":
-            raise NotImplementedError("grouped_linear takes DelayedScaling with "
-                                      "round-to-nearest gradients")
-        return recipe
-    if isinstance(recipe, BlockwiseScaling):
-        return recipe
-    raise NotImplementedError(f"grouped_linear supports CurrentScaling, DelayedScaling and "
-                              f"BlockwiseScaling, not {type(recipe).__name__} yet")
+    quantizer = quantizer_for(recipe)
+    if not quantizer.grouped:
+        raise NotImplementedError(
+            f"grouped_linear takes CurrentScaling (without amax_percentile) or DelayedScaling, "
+            f"both with round-to-nearest gradients, or BlockwiseScaling; not {quantizer.recipe}")
+    return quantizer.recipe
 
 
 def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
@@ -416,7 +401,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
         _check_state(state, recipe, weight, weight_cache)
         recipe, weight_cache = state.recipe, state.weight_cache
     recipe = _check_grouped_recipe(recipe)
-    if isinstance(recipe, DelayedScaling) and state is None:
+    if state is None and quantizer_for(recipe).delayed:
         raise ValueError("DelayedScaling keeps an amax history per expert: pass "
                          "state=ExpertScalingState(recipe, num_experts) (FP8GroupedLinear does "
                          "this for you)")
@@ -434,11 +419,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 
 
 def _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host):
-    if isinstance(recipe, DelayedScaling):
+    if state is not None:  # (delayed scaling: grouped_linear checked)
         return _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, weight_cache,
                                        state, host)
-    function = (GroupedLinearBlockwise if isinstance(recipe, BlockwiseScaling)
-                else GroupedLinearCurrent)
+    function = _FUNCTIONS[quantizer_for(recipe).kind]
     w_cast = _cast_experts(weight, recipe, weight_cache, host=host)
     return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
 
@@ -470,7 +454,7 @@ class FP8GroupedLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias
                      else None)
         self.weight_cache = WeightCache()
-        if isinstance(self.recipe, DelayedScaling):
+        if quantizer_for(self.recipe).delayed:
             self.fp8_state = ExpertScalingState(self.recipe, num_experts, device,
                                                 self.weight_cache)
         self.reset_parameters()
@@ -515,7 +499,7 @@ class FP8GroupedLinear(nn.Module):
     def _delayed_state(self) -> Optional[ExpertScalingState]:
         """The delayed-scaling state of the layer's recipe (a fresh one after the recipe
         changed), recording in training mode only; None for the other recipes."""
-        if not isinstance(self.recipe, DelayedScaling):
+        if not quantizer_for(self.recipe).delayed:
             return None
         state = self._modules.get("fp8_state")
         if state is None or state.recipe != self.recipe:

@@ -39,10 +39,11 @@ import torch
 from torch import nn
 
 from ..distributed import on_sharded_experts
-from ..scaling import BlockwiseScaling, CurrentScaling, DelayedScaling, WeightCache
+from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from . import caches
 from .grouped import grouped_linear
+from .quantizers import quantizer_for
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
 
@@ -58,16 +59,6 @@ def is_hf_experts(mod: nn.Module) -> bool:
             and hasattr(mod, "num_experts"))
 
 
-def grouped_recipe(recipe) -> bool:
-    """Whether fp8ops.grouped_linear takes this recipe."""
-    if isinstance(recipe, BlockwiseScaling):
-        return True
-    if isinstance(recipe, DelayedScaling):
-        return recipe.grad_rounding != "stochastic"
-    return (isinstance(recipe, CurrentScaling) and recipe.amax_percentile is None
-            and recipe.grad_rounding != "stochastic")
-
-
 def convert_experts(module: nn.Module, recipe,
                     filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Counter:
     """Give every transformers experts module in `module` (itself included) filter_fn picks an
@@ -80,7 +71,7 @@ def convert_experts(module: nn.Module, recipe,
     kinds: Counter = Counter()
     if not picked:
         return kinds
-    if not grouped_recipe(recipe):
+    if not quantizer_for(recipe).grouped:
         logger.warning("fp8ops: convert_to_fp8 leaves %d mixture-of-experts module(s) in high "
                        "precision: their FP8 grouped layer takes CurrentScaling, "
                        "DelayedScaling or BlockwiseScaling (round-to-nearest gradients, no "
@@ -174,7 +165,7 @@ def _has_recipe(mod: nn.Module, recipe) -> bool:
 def _set_expert_states(mod: nn.Module, recipe) -> None:
     """A fresh delayed-scaling state per 3-D parameter (DelayedScaling), none otherwise."""
     mod._modules.pop("fp8_state", None)
-    if isinstance(recipe, DelayedScaling):
+    if quantizer_for(recipe).delayed:
         mod.fp8_state = nn.ModuleDict({
             name: ExpertScalingState(recipe, getattr(mod, name).shape[0],
                                      getattr(mod, name).device, cache)

@@ -33,12 +33,12 @@ from typing import Optional
 import torch
 
 from ..distributed.world import WORLD, initialized as _distributed
-from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
-                       grad_margin, recipe_formats)
+from ..scaling import grad_margin
 from ..scaling.role import BUFFERS
 from ..scaling.weight_cache import GRADIENT, KEY
 from .fallback import crossover
 from .functional import linear
+from .quantizers import quantizer_for
 
 _state = {"loaded": None}
 
@@ -90,14 +90,14 @@ def plan_for(layer, state, input: torch.Tensor, weight: torch.Tensor, key) -> Pl
                                                   layer.out_features):
             return Plan(recipe, state, layer.fallback, HIGH)
     bias = layer._parameters.get("bias")
-    current = type(recipe) is CurrentScaling and recipe.amax_percentile is None
-    blockwise = type(recipe) is BlockwiseScaling
-    mx = type(recipe) is MXFP8Scaling
+    quantizer = quantizer_for(recipe)
+    current = quantizer.kind == "current" and quantizer.scales_from_max
+    blockwise, mx = quantizer.kind == "blockwise", quantizer.kind == "mxfp8"
     # delayed scaling: grad mode on (a live forward under no_grad, as reentrant checkpointing
     # runs one, leaves the grad role to its backward: the Python path's business)
-    delayed = type(recipe) is DelayedScaling and key[4]
+    delayed = quantizer.delayed and key[4]
     cpp = (available() and (blockwise or mx or ((current or delayed)
-                                          and recipe.grad_rounding == "nearest"))
+                                          and not quantizer.stochastic))
            and not layer.weight_transposed
            and input.dtype in _FLOATS and weight.dtype in _FLOATS
            and input.device == weight.device and input.device.type in ("cpu", "cuda")
@@ -107,7 +107,7 @@ def plan_for(layer, state, input: torch.Tensor, weight: torch.Tensor, key) -> Pl
                                  and bias.device == weight.device)))
     if not cpp:
         return Plan(recipe, state, layer.fallback, PYTHON)
-    fwd, bwd = recipe_formats(recipe)
+    fwd, bwd = quantizer.fwd, quantizer.bwd
     if blockwise:
         return Plan(recipe, state, layer.fallback, CPP, (
             torch.ops.fp8ops_step.linear_blockwise, False, fwd.dtype, bwd.dtype,

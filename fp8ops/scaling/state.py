@@ -34,14 +34,14 @@ class ScalingState(LocalRecords, nn.Module):
     def __init__(self, recipe=None, device=None):
         super().__init__()
         self.recipe = check_recipe(recipe)
-        if isinstance(self.recipe, DelayedScaling):
+        if self.delayed:
             n = self.recipe.amax_history_len
             self.input = RoleState(n, device)
             self.weight = RoleState(n, device)
             self.grad = RoleState(n, device)
         # the roles as a plain tuple (read every step without nn.Module.__getattr__), or None
         self.delayed_roles = ((self.input, self.weight, self.grad)
-                              if isinstance(self.recipe, DelayedScaling) else None)
+                              if self.delayed else None)
         # False: casts use the scales as they are and record nothing (FP8Linear in eval mode);
         # recording_word: the same as an int64 a backward in C++ reads (csrc/step)
         self.recording_word = torch.ones(1, dtype=torch.int64, device="cpu")
@@ -107,6 +107,7 @@ class ScalingState(LocalRecords, nn.Module):
 
     @property
     def delayed(self) -> bool:
+        """Whether the recipe scales from amax histories (the state holds the three roles)."""
         return isinstance(self.recipe, DelayedScaling)
 
     @property

@@ -1,0 +1,119 @@
+"""fp8ops/nn/quantizers.py: one quantizer per recipe, what it says a recipe allows, and the one
+autograd Function every recipe runs through."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fp8ops
+from fp8ops.nn import quantizers
+from fp8ops.nn.autograd import FP8LinearFunction
+from fp8ops.nn.quantizers import quantizer_for
+
+# recipe -> (kind, delayed, scales_from_max, gathers_fp8, grouped, scale_block)
+TABLE = [
+    (fp8ops.CurrentScaling(), ("current", False, True, True, True, None)),
+    (fp8ops.CurrentScaling(amax_percentile=99.9), ("current", False, False, False, False, None)),
+    (fp8ops.CurrentScaling(grad_rounding="stochastic"),
+     ("current", False, True, True, False, None)),
+    (fp8ops.DelayedScaling(), ("delayed", True, False, True, True, None)),
+    (fp8ops.DelayedScaling(grad_rounding="stochastic"),
+     ("delayed", True, False, True, False, None)),
+    (fp8ops.MXFP8Scaling(), ("mxfp8", False, False, False, False, 32)),
+    (fp8ops.MXFP8Scaling(block_size=16), ("mxfp8", False, False, False, False, 16)),
+    (fp8ops.BlockwiseScaling(), ("blockwise", False, False, True, True, 128)),
+]
+
+
+@pytest.mark.parametrize("recipe, expected", TABLE, ids=[repr(r) for r, _ in TABLE])
+def test_what_each_recipe_allows(recipe, expected):
+    q = quantizer_for(recipe)
+    got = (q.kind, q.delayed, q.scales_from_max, q.gathers_fp8, q.grouped, q.scale_block)
+    assert got == expected
+    assert q.recipe is recipe
+    assert (q.fwd.name, q.bwd.name) == (recipe.fwd_fmt, recipe.bwd_fmt)
+
+
+def test_the_layers_agree_with_the_table():
+    """The grouped layer takes exactly the recipes whose quantizer says `grouped`."""
+    for recipe, expected in TABLE:
+        if expected[4]:
+            fp8ops.nn.FP8GroupedLinear(2, 8, 8, recipe=recipe)
+        else:
+            with pytest.raises(NotImplementedError, match="grouped_linear takes"):
+                fp8ops.nn.FP8GroupedLinear(2, 8, 8, recipe=recipe)
+
+
+def test_one_quantizer_per_recipe_object():
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    assert quantizer_for(recipe) is quantizer_for(recipe)
+    assert quantizer_for(None) is quantizer_for(None)
+    assert quantizer_for(None).recipe == fp8ops.CurrentScaling()
+    # equal recipes that differ in a field equality leaves out (the process group) keep their own
+    group = object()
+    other = dataclasses.replace(recipe, process_group=group)
+    assert other == recipe and quantizer_for(other).recipe.process_group is group
+    assert quantizer_for(recipe).recipe.process_group is None
+
+
+def test_the_cache_of_quantizers_stays_small(monkeypatch):
+    monkeypatch.setattr(quantizers, "_MADE", {})
+    recipes = [fp8ops.CurrentScaling(margin=1.0 + i / 1024) for i in range(3 * quantizers._MAX_MADE)]
+    for recipe in recipes:
+        assert quantizer_for(recipe).recipe is recipe
+        assert len(quantizers._MADE) <= quantizers._MAX_MADE
+    assert quantizer_for(recipes[0]).recipe is recipes[0]  # made again after the clear
+
+
+def test_a_recipe_subclass_takes_its_base_quantizer():
+    @dataclasses.dataclass(frozen=True)
+    class Tuned(fp8ops.BlockwiseScaling):
+        note: str = "mine"
+
+    q = quantizer_for(Tuned())
+    assert type(q) is quantizers.BlockwiseQuantizer and q.recipe.note == "mine"
+
+
+@pytest.mark.parametrize("bad", [fp8ops.CurrentScaling, "current", 3])
+def test_bad_recipes_are_refused(bad):
+    with pytest.raises(TypeError, match="recipe"):
+        quantizer_for(bad)
+
+
+def test_mxfp8_has_no_expert_cast():
+    with pytest.raises(NotImplementedError, match="mxfp8"):
+        quantizer_for(fp8ops.MXFP8Scaling()).expert_cast(torch.zeros(2, 32, 32))
+
+
+def test_only_current_scaling_takes_a_precast_input():
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    for recipe in (fp8ops.MXFP8Scaling(), fp8ops.BlockwiseScaling()):
+        with pytest.raises(ValueError, match="pre-cast"):
+            quantizer_for(recipe).linear(x, w, None, None, x.dtype, x_cast=(x, x, x, x))
+
+
+@pytest.mark.parametrize("recipe", [r for r, _ in TABLE], ids=repr)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_recipe_runs_one_function(recipe, bias):
+    """fp8ops.linear's node is the one Function's for every recipe, and its output and gradients
+    are those of FP8Linear (the C++ step where it serves the recipe), bit for bit."""
+    torch.manual_seed(0)
+    layer = fp8ops.FP8Linear(96, 40, bias=bias, recipe=recipe)
+    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    x = torch.randn(15, 96, requires_grad=True)
+    dy = torch.randn(15, 40)
+    y = fp8ops.linear(x, *params, recipe=recipe, state=fp8ops.ScalingState(recipe))
+    node = y.grad_fn  # (MXFP8's output is a view of its padded result: a view node first)
+    while not isinstance(node, FP8LinearFunction._backward_cls) and node.next_functions:
+        node = node.next_functions[0][0]
+    assert isinstance(node, FP8LinearFunction._backward_cls), y.grad_fn
+    y.backward(dy)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = layer(x2)
+    y2.backward(dy)
+    assert torch.equal(y, y2)
+    for got, want in zip([x.grad] + [p.grad for p in params],
+                         [x2.grad] + [p.grad for p in layer.parameters()]):
+        assert torch.equal(got, want)
