@@ -117,3 +117,28 @@ def test_every_recipe_runs_one_function(recipe, bias):
     for got, want in zip([x.grad] + [p.grad for p in params],
                          [x2.grad] + [p.grad for p in layer.parameters()]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", [r for r, e in TABLE if e[4]], ids=repr)
+def test_grouped_recipes_run_one_function(recipe):
+    """The grouped quantizer is the dense one's kind with the grouped casts and GEMMs, and the
+    grouped layer's node is the one Function's for every recipe it takes."""
+    from fp8ops.nn.grouped import GroupedLinearFunction
+    from fp8ops.nn.grouped_quantizers import grouped_quantizer_for
+    q, dense = grouped_quantizer_for(recipe), quantizer_for(recipe)
+    assert q is grouped_quantizer_for(recipe) and q.recipe is recipe
+    assert isinstance(q, type(dense)) and q.kind == dense.kind
+    torch.manual_seed(0)
+    layer = fp8ops.nn.FP8GroupedLinear(3, 64, 48, bias=True, recipe=recipe)
+    x = torch.randn(20, 64, requires_grad=True)
+    y = layer(x, torch.tensor([5, 5, 20], dtype=torch.int32))
+    assert isinstance(y.grad_fn, GroupedLinearFunction._backward_cls), y.grad_fn
+    y.sum().backward()
+    assert all(t.grad is not None for t in (x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("recipe", [r for r, e in TABLE if not e[4]], ids=repr)
+def test_recipes_the_grouped_layer_refuses(recipe):
+    from fp8ops.nn.grouped_quantizers import grouped_quantizer_for
+    with pytest.raises(NotImplementedError, match="grouped_linear takes"):
+        grouped_quantizer_for(recipe)

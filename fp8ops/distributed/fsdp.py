@@ -525,10 +525,11 @@ def _held_experts(shard: torch.Tensor, mesh) -> slice:
 def _delayed_shard_cast(state, recipe, shard: torch.Tensor, dtype: torch.dtype, held: slice,
                         made_for):
     """weight_cache.Cast of delayed-scaling experts on this rank's shard: the grouped layer's
-    (_delayed_expert_cast) with the scales [E] of the whole weight, of which the shard takes its
-    experts' slice. The role's scales are the same on every rank (their records are all-reduced),
-    so the cache keeps (and a checkpoint saves) the whole [E]. Experts held elsewhere add 0 to the
-    warm start's and the record's amaxes: the MAX over the ranks is each expert's own amax."""
+    (nn/grouped_quantizers.py: GroupedDelayed.cast_experts) with the scales [E] of the whole
+    weight, of which the shard takes its experts' slice. The role's scales are the same on every
+    rank (their records are all-reduced), so the cache keeps (and a checkpoint saves) the whole
+    [E]. Experts held elsewhere add 0 to the warm start's and the record's amaxes: the MAX over
+    the ranks is each expert's own amax."""
     fwd, _ = recipe_formats(recipe)
     role = state.weight
 

@@ -21,7 +21,7 @@ Without a cache, under torch.compile and during CUDA graph capture the weight is
 
 Delayed scaling: each expert has the dense layer's delayed-scaling state for its X rows, its
 weight and its dY rows (ExpertScalingState, buffers with a leading expert dimension), and goes
-through the dense delayed path (autograd.linear_per_tensor) on its own rows: the same steps,
+through the dense delayed path (quantizers.DelayedQuantizer) on its own rows: the same steps,
 warm start, casts and amax records (0 for an expert with no tokens), the weight role stepping
 once per accumulation window as the cache decides. So expert g's bytes and state are those of
 a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
@@ -47,15 +47,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import amax_reduction, on_weight_set
-from ..ops.expert_casts import experts_amax, quantize_experts_scaled
-from ..scaling import WeightCache, grad_margin, recipe_formats
+from ..distributed import on_weight_set
+from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
 from . import caches
-from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype,
-                       steps_state, takes_warm_scale, weight_grad)
+from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype, steps_state,
+                       weight_grad)
 from .functional import check_operands
+from .grouped_quantizers import grouped_quantizer_for
 from .quantizers import quantizer_for
 
 _ops = torch.ops.fp8ops
@@ -71,14 +71,14 @@ def _bias_grad(dy: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> t
     return sums.index_add_(0, expert, dy.to(_F32))[:-1].to(bias.dtype)
 
 
-def _cast_experts(weight: torch.Tensor, recipe, cache: Optional[WeightCache],
+def _cast_experts(weight: torch.Tensor, quantizer, cache: Optional[WeightCache],
                   state: Optional[ExpertScalingState] = None, host=None) -> tuple:
     """The FP8 copies of all experts' weights, as the recipe's Function takes them: from the
     cache when its rule allows (module doc), else cast now (and kept in the cache). state: the
     delayed-scaling state (DelayedScaling only), whose weight role a live forward steps when it
     casts anew, once per accumulation window (the cache decides, as for the dense layer).
     host: the host master of an offloaded weight (the cache's own when there is a cache)."""
-    cast = _fresh_expert_cast(recipe) if state is None else _delayed_expert_cast(recipe, state)
+    cast, recipe = quantizer.cast_experts(state), quantizer.recipe
     live = state is not None and steps_state(state)
     host = host if cache is None else cache.host
     if host is not None:  # offloaded (CPUOffloadOptimizer): weight is a placeholder
@@ -118,73 +118,6 @@ def _from_host(cast, host):
     return from_host
 
 
-def _fresh_expert_cast(recipe):
-    """weight_cache.Cast of current and blockwise scaling: each expert from its own values (no
-    step, no given scale)."""
-    quantizer = quantizer_for(recipe)
-
-    def cast(w, step, scale):  # no per-tensor scale: one per expert, or blocks
-        return (recipe, quantizer.expert_cast(w.detach())), None
-    return cast
-
-
-def _delayed_expert_cast(recipe, state: ExpertScalingState):
-    """weight_cache.Cast of delayed scaling, the dense layer's per expert: a given scale [E]
-    (the window's) casts without stepping; else the weight role steps first when `step`, each
-    expert is cast with its role's scale (its own amax before anything was recorded) and records
-    its amax when `step`."""
-    fwd, _ = recipe_formats(recipe)
-    role = state.weight
-
-    def cast(w, step, scale):
-        w = w.detach()
-        if scale is None:
-            if step:
-                state.step_role("weight", recipe, fwd, recipe.margin)
-            scale = (role.scale.clone() if role.started else
-                     _warm_expert_scales(w, role, fwd, recipe))
-        data, data_t, amax = quantize_experts_scaled(w, scale, fwd.dtype)
-        if step:
-            state.record_role("weight", amax)
-            role.started = True
-        return (recipe, (data, data_t, torch.reciprocal(scale))), scale
-    return cast
-
-
-def _warm_row_scales(x, offsets, role, fmt, recipe, margin: float) -> torch.Tensor:
-    """Each group's scale from its own rows' amax (its role has recorded nothing yet), over all
-    ranks' rows under torch.distributed."""
-    # the groups' amaxes (a cast's, its bytes unused: a warm start happens once)
-    ones = torch.ones(offsets.shape[0], dtype=_F32, device=x.device)
-    amax = _ops.quantize_scaled_grouped(x, offsets, ones, fmt.dtype, False)[2]
-    return role.warm_scale(amax, fmt, margin, recipe)
-
-
-def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:
-    """Each expert's scale from its own weight's amax (the weight role has recorded nothing
-    yet), over all ranks' weights under torch.distributed (as the dense layer's warm start)."""
-    return role.warm_scale(experts_amax(w), fmt, recipe.margin, recipe)
-
-
-def _cast_rows(x, offsets, state: ExpertScalingState, name: str, fmt, recipe, margin: float, *,
-               update: bool, warm: bool, record: bool, transpose: bool):
-    """Each group's rows cast with its expert's delayed scale in the role `name` ("input" or
-    "grad"), the dense quantize_delayed per group: the role stepped first when `update`, each
-    group's own amax as the scale when `warm` (nothing recorded yet), the groups' amaxes
-    recorded when `record` (an empty group's is 0). (data, data_t, scale_inv [E])."""
-    role = getattr(state, name)
-    if update:
-        state.step_role(name, recipe, fmt, margin)
-    if warm:
-        scale = _warm_row_scales(x, offsets, role, fmt, recipe, margin)
-    else:
-        scale = role.scale.clone()  # a copy: the buffer changes before backward uses it
-    data, data_t, amax = _ops.quantize_scaled_grouped(x, offsets, scale, fmt.dtype, transpose)
-    if record:
-        state.record_role(name, amax)
-    return data, data_t, torch.reciprocal(scale)
-
-
 def _vouch_grad(cache: Optional[WeightCache], dw) -> None:
     """dw comes from the cached cast: its accumulation into .grad vouches for that cast (eager
     only: a compiled call casts every time)."""
@@ -192,145 +125,54 @@ def _vouch_grad(cache: Optional[WeightCache], dw) -> None:
         cache.expect_grad()
 
 
-def _per_tensor_grads(ctx, saved: tuple, dy: torch.Tensor, grad_cast: tuple,
-                      x_dtype: torch.dtype) -> tuple:
-    """(dx, dw, db) of a per-tensor recipe's backward (current or delayed) from dY's grouped
-    cast (data, transposed data, scale_inv [E]) and the tensors its forward saved (unpacked
-    once by the caller: activation checkpointing allows no second unpack)."""
-    xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias = saved
-    gq, gq_t, g_scale_inv = grad_cast
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx = dw = db = None
-    if need_dx:
-        dx = _ops.grouped_gemm(gq, wq_t, offsets, g_scale_inv, w_scale_inv, None, x_dtype)
-    if need_dw:
-        dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad(
-            gq_t, xq_t, offsets, g_scale_inv, x_scale_inv, dtype))
-        _vouch_grad(ctx.cache, dw)
-    if need_db and bias is not None:
-        db = _bias_grad(dy, offsets, bias)
-    return dx, dw, db
-
-
-class GroupedLinearCurrent(torch.autograd.Function):
-    """Current scaling: one scale per group of X and dY, one per expert of W."""
+class GroupedLinearFunction(torch.autograd.Function):
+    """The grouped GEMMs through `quantizer` (grouped_quantizers.py). x carries the gradient;
+    its cast (x_cast) and the experts' (w_cast) are made before (_grouped), where a
+    delayed-scaling state may change (outside the Function under torch.compile too), dY's in
+    backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype, w_cast, cache):
-        fwd, bwd = recipe_formats(recipe)
-        p2 = recipe.power_of_two
-        xq, xq_t, _, x_scale_inv = _ops.quantize_current_grouped(x, offsets, fwd.dtype,
-                                                                 recipe.margin, p2, True)
-        wq, wq_t, w_scale_inv = w_cast
-        y = _ops.grouped_gemm(xq, wq, offsets, x_scale_inv, w_scale_inv, bias, out_dtype)
-        ctx.save_for_backward(xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias)
-        ctx.meta = (bwd, grad_margin(recipe), p2, x.dtype)
-        ctx.cache = cache
+    def forward(ctx, x, weight, bias, offsets, quantizer, out_dtype, w_cast, cache, x_cast,
+                state):
+        y = quantizer.grouped_forward(x_cast, w_cast, offsets, bias, out_dtype)
+        ctx.save_for_backward(*quantizer.grouped_saved(x_cast, w_cast), offsets, weight, bias)
+        ctx.quantizer, ctx.state, ctx.cache, ctx.x_dtype = quantizer, state, cache, x.dtype
+        ctx.grad_warm = state is not None and state.warm["grad"]
         return y
 
     @staticmethod
     @first_order_only
     def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        offsets = saved[4]
-        bwd, margin, p2, x_dtype = ctx.meta
-        dy = dy.contiguous()
-        gq, gq_t, _, g_scale_inv = _ops.quantize_current_grouped(dy, offsets, bwd.dtype, margin,
-                                                                 p2, ctx.needs_input_grad[1])
-        grads = _per_tensor_grads(ctx, saved, dy, (gq, gq_t, g_scale_inv), x_dtype)
-        return (*grads, None, None, None, None, None)
-
-
-class GroupedLinearBlockwise(torch.autograd.Function):
-    """DeepSeek-V3 blocks: X and dY in 1x128 blocks (per group), W in 128x128 blocks."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype, w_cast, cache):
-        fwd, bwd = recipe_formats(recipe)
-        p2 = recipe.power_of_two
-        x_data, x_si, xt_data, xt_si = _ops.quantize_blockwise_grouped(x, offsets, fwd.dtype, p2)
-        w_data, w_si, wt_data, wt_si = w_cast
-        y = _ops.grouped_gemm_blockwise(x_data, w_data, offsets, x_si, w_si, bias, out_dtype)
-        ctx.save_for_backward(xt_data, xt_si, wt_data, wt_si, offsets, weight, bias)
-        ctx.meta = (bwd, p2, x.dtype)
-        ctx.cache = cache
-        return y
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy):
-        xt_data, xt_si, wt_data, wt_si, offsets, weight, bias = ctx.saved_tensors
-        bwd, p2, x_dtype = ctx.meta
+        # (unpacked once: activation checkpointing allows no second unpack)
+        *saved, offsets, weight, bias = ctx.saved_tensors
+        quantizer = ctx.quantizer
         dy = dy.contiguous()
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        g_data, g_si, gt_data, gt_si = _ops.quantize_blockwise_grouped(dy, offsets, bwd.dtype, p2)
+        g = quantizer.cast_grad_rows(dy, offsets, ctx.state, ctx.grad_warm, need_dw)
         dx = dw = db = None
         if need_dx:
-            dx = _ops.grouped_gemm_blockwise(g_data, wt_data, offsets, g_si, wt_si, None, x_dtype)
+            dx = quantizer.grouped_dgrad(g, saved, offsets, ctx.x_dtype)
         if need_dw:
-            dw = weight_grad(weight, lambda dtype: _ops.grouped_gemm_wgrad_blockwise(
-                gt_data, xt_data, offsets, gt_si, xt_si, dtype))
+            dw = weight_grad(weight, lambda dtype: quantizer.grouped_wgrad(g, saved, offsets,
+                                                                           dtype))
             _vouch_grad(ctx.cache, dw)
         if need_db and bias is not None:
             db = _bias_grad(dy, offsets, bias)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
-class GroupedLinearDelayed(torch.autograd.Function):
-    """Delayed scaling: each expert's X rows, weight and dY rows cast with the scales of its own
-    amax histories (ExpertScalingState). X is cast before this Function (outside it the state's
-    host flags may change under torch.compile), dY in backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, offsets, recipe, out_dtype, w_cast, cache, x_cast, state):
-        xq, xq_t, x_scale_inv = x_cast
-        wq, wq_t, w_scale_inv = w_cast
-        y = _ops.grouped_gemm(xq, wq, offsets, x_scale_inv, w_scale_inv, bias, out_dtype)
-        ctx.save_for_backward(xq_t, wq_t, x_scale_inv, w_scale_inv, offsets, weight, bias)
-        ctx.meta = (recipe, x.dtype, state.warm["grad"])
-        ctx.state, ctx.cache = state, cache
-        return y
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        offsets = saved[4]
-        recipe, x_dtype, grad_warm = ctx.meta
-        state = ctx.state
-        _, bwd = recipe_formats(recipe)
-        dy = dy.contiguous()
-        stepping = state.recording
-        gq, gq_t, g_scale_inv = _cast_rows(dy, offsets, state, "grad", bwd, recipe,
-                                           grad_margin(recipe), update=stepping, warm=grad_warm,
-                                           record=stepping, transpose=ctx.needs_input_grad[1])
-        if stepping and not torch.compiler.is_compiling():
-            state.grad.started = True  # (also for a forward that ran under no_grad)
-        # the step's all-reduce: one for every delayed-scaling layer at the end of the backward
-        if stepping and state.needs_reduce() and not amax_reduction.defer(state):
-            state.reduce_records()
-        grads = _per_tensor_grads(ctx, saved, dy, (gq, gq_t, g_scale_inv), x_dtype)
-        return (*grads, None, None, None, None, None, None, None)
-
-
-# the Function of each recipe that casts the experts from their own values
-_FUNCTIONS = {"current": GroupedLinearCurrent, "blockwise": GroupedLinearBlockwise}
-
-
-def _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, cache,
-                            state: ExpertScalingState, host=None):
-    """The dense delayed path (autograd.linear_per_tensor) per expert: the weight cast, then X's
-    (stepping and recording when live), the gradient's warm choice decided here so that a
-    recompute sees the same."""
-    fwd, _ = recipe_formats(recipe)
-    live = steps_state(state)
-    w_cast = _cast_experts(weight, recipe, cache, state, host)
-    x_cast = _cast_rows(x, offsets, state, "input", fwd, recipe, recipe.margin, update=live,
-                        warm=takes_warm_scale(state, "input", live), record=live, transpose=True)
+def _grouped(x, weight, bias, offsets, recipe, out_dtype, cache, state, host):
+    """The experts' cast, then X's (stepping and recording a delayed-scaling state when live),
+    the gradient's warm start decided here (delayed scaling) so that a recompute sees the same,
+    as the dense layer (Quantizer.linear)."""
+    quantizer = grouped_quantizer_for(recipe)
+    live = state is not None and steps_state(state)
+    w_cast = _cast_experts(weight, quantizer, cache, state, host)
+    x_cast = quantizer.cast_rows(x, offsets, state, live)
     if live:
         state.warm["grad"] = not state.grad.started
-    y = GroupedLinearDelayed.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, cache,
-                                   x_cast, state)
+    y = GroupedLinearFunction.apply(x, weight, bias, offsets, quantizer, out_dtype, w_cast,
+                                    cache, x_cast, state)
     if live:
         state.input.started = True
         state.grad.started = state.grad.started or torch.is_grad_enabled()
@@ -360,12 +202,7 @@ def _check(x, weight, offsets, bias) -> None:
 
 
 def _check_grouped_recipe(recipe):
-    quantizer = quantizer_for(recipe)
-    if not quantizer.grouped:
-        raise NotImplementedError(
-            f"grouped_linear takes CurrentScaling (without amax_percentile) or DelayedScaling, "
-            f"both with round-to-nearest gradients, or BlockwiseScaling; not {quantizer.recipe}")
-    return quantizer.recipe
+    return grouped_quantizer_for(recipe).recipe
 
 
 def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
@@ -411,20 +248,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     out_dtype = output_dtype(x)
     device = x.device.type
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
+        return _grouped(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
     # the output's dtype is decided; nothing inside is autocast's to retype (it would refuse to
     # stack FP8 tensors), also when x already comes in autocast's dtype
     with torch.autocast(device, enabled=False):
-        return _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
-
-
-def _by_recipe(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host):
-    if state is not None:  # (delayed scaling: grouped_linear checked)
-        return _grouped_linear_delayed(x, weight, bias, offsets, recipe, out_dtype, weight_cache,
-                                       state, host)
-    function = _FUNCTIONS[quantizer_for(recipe).kind]
-    w_cast = _cast_experts(weight, recipe, weight_cache, host=host)
-    return function.apply(x, weight, bias, offsets, recipe, out_dtype, w_cast, weight_cache)
+        return _grouped(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
 
 
 class FP8GroupedLinear(nn.Module):
