@@ -343,3 +343,12 @@ def test_experts_weights_cast_once_per_step_and_train_as_without_the_cache(name,
         assert torch.equal(p, q), pname
     fp8ops.convert_from_fp8(cached)
     assert "fp8_weight_caches" not in experts.__dict__
+
+
+def test_convert_experts_takes_none_as_current_scaling():
+    """convert_experts(module, None) converts with CurrentScaling(), as convert_to_fp8 does."""
+    from fp8ops.nn.hf_moe import convert_experts
+    model = _model("mixtral")
+    kinds = convert_experts(model, None)
+    assert sum(kinds.values()) == len(_experts(model)) > 0
+    assert all(mod.fp8_recipe == fp8ops.CurrentScaling() for mod in _experts(model))

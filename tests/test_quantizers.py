@@ -3,6 +3,8 @@ autograd Function every recipe runs through."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -46,10 +48,9 @@ def test_the_layers_agree_with_the_table():
                 fp8ops.nn.FP8GroupedLinear(2, 8, 8, recipe=recipe)
 
 
-def test_one_quantizer_per_recipe_object():
+def test_a_quantizer_holds_the_recipe_it_was_made_for():
     recipe = fp8ops.DelayedScaling(amax_history_len=4)
-    assert quantizer_for(recipe) is quantizer_for(recipe)
-    assert quantizer_for(None) is quantizer_for(None)
+    assert quantizer_for(recipe).recipe is recipe
     assert quantizer_for(None).recipe == fp8ops.CurrentScaling()
     # equal recipes that differ in a field equality leaves out (the process group) keep their own
     group = object()
@@ -58,13 +59,46 @@ def test_one_quantizer_per_recipe_object():
     assert quantizer_for(recipe).recipe.process_group is None
 
 
-def test_the_cache_of_quantizers_stays_small(monkeypatch):
-    monkeypatch.setattr(quantizers, "_MADE", {})
-    recipes = [fp8ops.CurrentScaling(margin=1.0 + i / 1024) for i in range(3 * quantizers._MAX_MADE)]
-    for recipe in recipes:
-        assert quantizer_for(recipe).recipe is recipe
-        assert len(quantizers._MADE) <= quantizers._MAX_MADE
-    assert quantizer_for(recipes[0]).recipe is recipes[0]  # made again after the clear
+def test_quantizers_hold_no_recipe_alive():
+    """Nothing keeps a recipe (and its process group) once its layers are gone."""
+    class Group:
+        pass
+
+    group = Group()
+    ref = weakref.ref(group)
+    state = fp8ops.ScalingState(fp8ops.DelayedScaling(process_group=group))
+    fp8ops.linear(torch.randn(4, 64), torch.randn(32, 64), state=state)
+    del state, group
+    gc.collect()
+    assert ref() is None
+
+
+def test_compiled_layers_compile_once_whatever_their_recipe_objects():
+    """Layers with a recipe object each, compiled one by one, share their graphs (nothing is
+    guarded on the recipe object's identity), and a recipe made inside a compiled function
+    traces with fullgraph."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    layers = [fp8ops.FP8Linear(32, 32, recipe=fp8ops.CurrentScaling(), fallback="never")
+              for _ in range(10)]
+    for layer in layers:
+        layer.compile(fullgraph=True, backend="eager")
+    for _ in range(2):
+        x = torch.randn(4, 32)
+        for layer in layers:
+            x = layer(x)
+        x.sum().backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+    def made_inside(x, w):
+        return fp8ops.linear(x, w, recipe=fp8ops.MXFP8Scaling())
+
+    compiled = torch.compile(made_inside, fullgraph=True, backend="eager")
+    x, w = torch.randn(4, 64), torch.randn(64, 64)
+    assert torch.equal(compiled(x, w), made_inside(x, w))
+    torch._dynamo.reset()
 
 
 def test_a_recipe_subclass_takes_its_base_quantizer():
@@ -126,7 +160,7 @@ def test_grouped_recipes_run_one_function(recipe):
     from fp8ops.nn.grouped import GroupedLinearFunction
     from fp8ops.nn.grouped_quantizers import grouped_quantizer_for
     q, dense = grouped_quantizer_for(recipe), quantizer_for(recipe)
-    assert q is grouped_quantizer_for(recipe) and q.recipe is recipe
+    assert q.recipe is recipe
     assert isinstance(q, type(dense)) and q.kind == dense.kind
     torch.manual_seed(0)
     layer = fp8ops.nn.FP8GroupedLinear(3, 64, 48, bias=True, recipe=recipe)

@@ -143,26 +143,17 @@ class GroupedBlockwise(_ExpertsFromOwnValues, BlockwiseQuantizer):
 
 
 _GROUPED = {"current": GroupedCurrent, "delayed": GroupedDelayed, "blockwise": GroupedBlockwise}
-_MADE: dict = {}  # as quantizers._MADE: by the id of the recipe, each holding its recipe
-_MAX_MADE = 64
 
 
 def grouped_quantizer_for(recipe) -> Quantizer:
     """The grouped quantizer of `recipe`; NotImplementedError for one grouped_linear does not
     take (quantizer_for(recipe).grouped is False)."""
-    made = _MADE.get(id(recipe))
-    if made is not None:
-        return made
     dense = quantizer_for(recipe)
     if not dense.grouped:
         raise NotImplementedError(
             f"grouped_linear takes CurrentScaling (without amax_percentile) or DelayedScaling, "
             f"both with round-to-nearest gradients, or BlockwiseScaling; not {dense.recipe}")
-    made = _GROUPED[dense.kind](dense.recipe)
-    if len(_MADE) >= _MAX_MADE:
-        _MADE.clear()
-    _MADE[id(recipe)] = made
-    return made
+    return _GROUPED[dense.kind](dense.recipe)
 
 
 def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:

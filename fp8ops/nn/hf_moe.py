@@ -63,7 +63,7 @@ def convert_experts(module: nn.Module, recipe,
                     filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Counter:
     """Give every transformers experts module in `module` (itself included) filter_fn picks an
     FP8 forward with `recipe` (a converted one takes the new recipe; one that has it already
-    keeps its FP8 state). A recipe the grouped layer does not take (MXFP8Scaling, stochastic
+    keeps its FP8 state; None: CurrentScaling()). A recipe the grouped layer does not take (MXFP8Scaling, stochastic
     rounding, a percentile amax) leaves them in high precision, with a warning. Returns the
     count converted, by class name."""
     picked = [(fqn, mod) for fqn, mod in module.named_modules()
@@ -71,7 +71,9 @@ def convert_experts(module: nn.Module, recipe,
     kinds: Counter = Counter()
     if not picked:
         return kinds
-    if not quantizer_for(recipe).grouped:
+    quantizer = quantizer_for(recipe)  # (None: CurrentScaling(), as convert_to_fp8)
+    recipe = quantizer.recipe
+    if not quantizer.grouped:
         logger.warning("fp8ops: convert_to_fp8 leaves %d mixture-of-experts module(s) in high "
                        "precision: their FP8 grouped layer takes CurrentScaling, "
                        "DelayedScaling or BlockwiseScaling (round-to-nearest gradients, no "

@@ -18,7 +18,8 @@ asking which recipe it is:
   grouped         fp8ops.grouped_linear takes it
   scale_block     the length of a scale block along a sharded dimension (None: per tensor)
 
-quantizer_for(recipe) makes one; it is small and holds nothing but the recipe and its formats.
+quantizer_for(recipe) makes one; it is small and holds nothing but the recipe and what it reads
+from it.
 """
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ class PerTensorQuantizer(Quantizer):
         return y
 
     def grad_warm(self, state) -> bool:
-        return state is not None and state.delayed and state.warm["grad"]
+        return self.delayed and state.warm["grad"]
 
     def forward(self, x_cast, w_cast, bias, out_dtype, shape):
         return _ops.gemm(x_cast[0], w_cast[0], x_cast[3], w_cast[2], bias, out_dtype, True)
@@ -161,7 +162,7 @@ class PerTensorQuantizer(Quantizer):
         """(dY cast, the bias gradient or None). Steps and records the grad role (delayed
         scaling, recording); the step's amax all-reduce follows the last layer's backward."""
         eager = not torch.compiler.is_compiling()  # (no state writes in a traced backward)
-        delayed = state is not None and state.delayed
+        delayed = self.delayed
         stepping = delayed and state.recording
         role = state.grad if delayed else None
         # stochastic rounding reads its random stream from the state's device buffer
@@ -373,27 +374,13 @@ _BY_RECIPE = {CurrentScaling: CurrentQuantizer, DelayedScaling: DelayedQuantizer
               MXFP8Scaling: MXQuantizer, BlockwiseScaling: BlockwiseQuantizer}
 
 
-# the quantizers made, by the id of their recipe (each holds its recipe, so no other object can
-# take that id while it is here); cleared when full
-_MADE: dict = {}
-_MAX_MADE = 256
-
-
 def quantizer_for(recipe) -> Quantizer:
     """The quantizer of `recipe` (None: CurrentScaling()); a recipe subclass takes its base's.
-    The same recipe object gives the same quantizer (the layers ask on every call)."""
-    made = _MADE.get(id(recipe))
-    if made is not None:
-        return made
-    checked = check_recipe(recipe)
-    for cls in type(checked).__mro__:
+    A new small object each call: a cache by recipe object would hold recipes (and their
+    process groups) alive, and torch.compile would guard on it (a recompile per recipe)."""
+    recipe = check_recipe(recipe)
+    for cls in type(recipe).__mro__:
         kind = _BY_RECIPE.get(cls)
         if kind is not None:
-            break
-    else:
-        raise TypeError(f"no quantizer for {type(checked).__name__}")  # (check_recipe refuses)
-    made = kind(checked)
-    if len(_MADE) >= _MAX_MADE:
-        _MADE.clear()
-    _MADE[id(recipe)] = made  # (None's: CurrentScaling())
-    return made
+            return kind(recipe)
+    raise TypeError(f"no quantizer for {type(recipe).__name__}")  # (check_recipe refuses it)
