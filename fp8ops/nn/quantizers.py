@@ -29,8 +29,9 @@ import torch
 
 from ..ops import fused
 from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+from ..formats import get_format
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
-                       ScalingState, check_recipe, grad_margin, recipe_formats)
+                       ScalingState, check_recipe, grad_margin)
 from ..distributed import amax_reduction
 from . import cast_stats
 from .autograd import (FP8LinearFunction, cached_weight_cast, is_gathered, pad, steps_state,
@@ -53,7 +54,7 @@ class Quantizer:
 
     def __init__(self, recipe):
         self.recipe = recipe
-        self.fwd, self.bwd = recipe_formats(recipe)
+        self.fwd, self.bwd = get_format(recipe.fwd_fmt), get_format(recipe.bwd_fmt)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.recipe})"
@@ -378,6 +379,9 @@ def quantizer_for(recipe) -> Quantizer:
     """The quantizer of `recipe` (None: CurrentScaling()); a recipe subclass takes its base's.
     A new small object each call: a cache by recipe object would hold recipes (and their
     process groups) alive, and torch.compile would guard on it (a recompile per recipe)."""
+    kind = _BY_RECIPE.get(type(recipe))
+    if kind is not None:
+        return kind(recipe)
     recipe = check_recipe(recipe)
     for cls in type(recipe).__mro__:
         kind = _BY_RECIPE.get(cls)
