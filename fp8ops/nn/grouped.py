@@ -161,11 +161,10 @@ class GroupedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def _grouped(x, weight, bias, offsets, recipe, out_dtype, cache, state, host):
+def _grouped(x, weight, bias, offsets, quantizer, out_dtype, cache, state, host):
     """The experts' cast, then X's (stepping and recording a delayed-scaling state when live),
     the gradient's warm start decided here (delayed scaling) so that a recompute sees the same,
     as the dense layer (Quantizer.linear)."""
-    quantizer = grouped_quantizer_for(recipe)
     live = state is not None and steps_state(state)
     w_cast = _cast_experts(weight, quantizer, cache, state, host)
     x_cast = quantizer.cast_rows(x, offsets, state, live)
@@ -201,10 +200,6 @@ def _check(x, weight, offsets, bias) -> None:
                          f"out_features], got {tuple(bias.shape)}")
 
 
-def _check_grouped_recipe(recipe):
-    return grouped_quantizer_for(recipe).recipe
-
-
 def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
     if not isinstance(state, ExpertScalingState):
         raise TypeError(f"state must be an fp8ops.nn.grouped.ExpertScalingState, got "
@@ -237,8 +232,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     if state is not None:
         _check_state(state, recipe, weight, weight_cache)
         recipe, weight_cache = state.recipe, state.weight_cache
-    recipe = _check_grouped_recipe(recipe)
-    if state is None and quantizer_for(recipe).delayed:
+    quantizer = grouped_quantizer_for(recipe)  # (refuses a recipe the layer does not take)
+    if state is None and quantizer.delayed:
         raise ValueError("DelayedScaling keeps an amax history per expert: pass "
                          "state=ExpertScalingState(recipe, num_experts) (FP8GroupedLinear does "
                          "this for you)")
@@ -248,11 +243,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     out_dtype = output_dtype(x)
     device = x.device.type
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return _grouped(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
+        return _grouped(x, weight, bias, offsets, quantizer, out_dtype, weight_cache, state,
+                        host)
     # the output's dtype is decided; nothing inside is autocast's to retype (it would refuse to
     # stack FP8 tensors), also when x already comes in autocast's dtype
     with torch.autocast(device, enabled=False):
-        return _grouped(x, weight, bias, offsets, recipe, out_dtype, weight_cache, state, host)
+        return _grouped(x, weight, bias, offsets, quantizer, out_dtype, weight_cache, state,
+                        host)
 
 
 class FP8GroupedLinear(nn.Module):
@@ -276,7 +273,7 @@ class FP8GroupedLinear(nn.Module):
         super().__init__()
         self.num_experts, self.in_features = num_experts, in_features
         self.out_features = out_features
-        self.recipe = _check_grouped_recipe(recipe)
+        self.recipe = grouped_quantizer_for(recipe).recipe  # (refuses one it does not take)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
         self.bias = (nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..ops import fused
-from ..ops.expert_casts import quantize_experts_blockwise, quantize_experts_current
+from ..ops.expert_casts import BLOCK, quantize_experts_blockwise, quantize_experts_current
 from ..formats import get_format
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                        ScalingState, check_recipe, grad_margin)
@@ -39,7 +39,6 @@ from .autograd import (FP8LinearFunction, cached_weight_cast, is_gathered, pad, 
 from .per_tensor_cast import cast_per_tensor, shards
 
 _ops = torch.ops.fp8ops
-BLOCK = 128  # blockwise scaling's block: 1x128 activations and gradients, 128x128 weights
 
 
 class Quantizer:
