@@ -12,7 +12,7 @@ import torch
 import fp8ops
 from fp8ops.nn import quantizers
 from fp8ops.nn.autograd import FP8LinearFunction
-from fp8ops.nn.quantizers import quantizer_for
+from fp8ops.nn.quantizers import quantizer_for, quantizer_type
 
 # recipe -> (kind, delayed, scales_from_max, gathers_fp8, grouped, scale_block)
 TABLE = [
@@ -36,6 +36,9 @@ def test_what_each_recipe_allows(recipe, expected):
     assert got == expected
     assert q.recipe is recipe
     assert (q.fwd.name, q.bwd.name) == (recipe.fwd_fmt, recipe.bwd_fmt)
+    # the class alone answers kind and delayed (layers ask it without making a quantizer)
+    cls, checked = quantizer_type(recipe)
+    assert cls is type(q) and checked is recipe and (cls.kind, cls.delayed) == expected[:2]
 
 
 def test_the_layers_agree_with_the_table():
@@ -108,6 +111,9 @@ def test_a_recipe_subclass_takes_its_base_quantizer():
 
     q = quantizer_for(Tuned())
     assert type(q) is quantizers.BlockwiseQuantizer and q.recipe.note == "mine"
+    from fp8ops.nn.grouped_quantizers import GroupedBlockwise, grouped_quantizer_for
+    g = grouped_quantizer_for(Tuned())
+    assert type(g) is GroupedBlockwise and g.recipe.note == "mine"
 
 
 @pytest.mark.parametrize("bad", [fp8ops.CurrentScaling, "current", 3])
@@ -174,5 +180,6 @@ def test_grouped_recipes_run_one_function(recipe):
 @pytest.mark.parametrize("recipe", [r for r, e in TABLE if not e[4]], ids=repr)
 def test_recipes_the_grouped_layer_refuses(recipe):
     from fp8ops.nn.grouped_quantizers import grouped_quantizer_for
-    with pytest.raises(NotImplementedError, match="grouped_linear takes"):
+    with pytest.raises(NotImplementedError, match="grouped_linear takes") as refused:
         grouped_quantizer_for(recipe)
+    assert repr(recipe) in str(refused.value)

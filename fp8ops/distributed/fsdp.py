@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_map_only
 from ..nn.autograd import in_recompute
 from ..nn.functional import linear
 from ..nn.grouped import FP8GroupedLinear
-from ..nn.quantizers import quantizer_for
+from ..nn.quantizers import quantizer_for, quantizer_type
 from ..ops.expert_casts import experts_amax, quantize_experts_scaled, transpose_experts
 from ..scaling import current_scale, recipe_formats, weight_cache
 from .amax import all_reduce_amax
@@ -183,7 +183,7 @@ class ExpertParameter:
         if states is not None and not isinstance(module, FP8GroupedLinear):
             states = states[self.name] if self.name in states else None
         recipe = self.recipe
-        if states is None or not quantizer_for(recipe).delayed or states.recipe != recipe:
+        if states is None or not quantizer_type(recipe)[0].delayed or states.recipe != recipe:
             return None
         return states
 
@@ -321,7 +321,7 @@ class FP8WeightShard(torch.Tensor):
             kind, data, scale_inv = _experts_shard_cast(layer, self._data, dtype, mesh)
             return _with_scales(data, scale_inv, mesh), (kind, fwd.dtype,
                                                          tuple(scale_inv.shape[1:]))
-        if quantizer_for(recipe).kind == "blockwise":  # 128x128 blocks, whole in the shard
+        if quantizer_type(recipe)[0].kind == "blockwise":  # 128x128 blocks, whole in the shard
             values = self._data.to(dtype)
             data, scale_inv = _ops.quantize_blockwise(values, fwd.dtype, BLOCK, BLOCK,
                                                       recipe.power_of_two)
@@ -495,7 +495,7 @@ def _experts_shard_cast(layer, shard: torch.Tensor, dtype: torch.dtype, mesh) ->
     cache, recipe = layer.weight_cache, layer.recipe
     made_for = (recipe, dtype)
     backward = torch._C._current_graph_task_id() != -1
-    if quantizer_for(recipe).delayed:
+    if quantizer_type(recipe)[0].delayed:
         held = _held_experts(shard, mesh)
         cast = _delayed_shard_cast(layer.state, recipe, shard, dtype, held, made_for)
         live = not backward and layer.module.training and not in_recompute()

@@ -56,7 +56,7 @@ from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype
                        weight_grad)
 from .functional import check_operands
 from .grouped_quantizers import grouped_quantizer_for
-from .quantizers import quantizer_for
+from .quantizers import quantizer_type
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -273,13 +273,14 @@ class FP8GroupedLinear(nn.Module):
         super().__init__()
         self.num_experts, self.in_features = num_experts, in_features
         self.out_features = out_features
-        self.recipe = grouped_quantizer_for(recipe).recipe  # (refuses one it does not take)
+        quantizer = grouped_quantizer_for(recipe)  # (refuses a recipe the layer does not take)
+        self.recipe = quantizer.recipe
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
         self.bias = (nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias
                      else None)
         self.weight_cache = WeightCache()
-        if quantizer_for(self.recipe).delayed:
+        if quantizer.delayed:
             self.fp8_state = ExpertScalingState(self.recipe, num_experts, device,
                                                 self.weight_cache)
         self.reset_parameters()
@@ -324,7 +325,7 @@ class FP8GroupedLinear(nn.Module):
     def _delayed_state(self) -> Optional[ExpertScalingState]:
         """The delayed-scaling state of the layer's recipe (a fresh one after the recipe
         changed), recording in training mode only; None for the other recipes."""
-        if not quantizer_for(self.recipe).delayed:
+        if not quantizer_type(self.recipe)[0].delayed:  # (a class attribute: nothing made)
             return None
         state = self._modules.get("fp8_state")
         if state is None or state.recipe != self.recipe:

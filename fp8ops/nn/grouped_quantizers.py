@@ -19,7 +19,7 @@ from ..scaling import grad_margin
 from ..scaling.expert_state import ExpertScalingState
 from .autograd import takes_warm_scale
 from .quantizers import (BlockwiseQuantizer, CurrentQuantizer, DelayedQuantizer, Quantizer,
-                         quantizer_for)
+                         quantizer_type)
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -142,18 +142,21 @@ class GroupedBlockwise(_ExpertsFromOwnValues, BlockwiseQuantizer):
         return _ops.grouped_gemm_wgrad_blockwise(g[2], saved[0], offsets, g[3], saved[1], dtype)
 
 
-_GROUPED = {"current": GroupedCurrent, "delayed": GroupedDelayed, "blockwise": GroupedBlockwise}
+_GROUPED = {CurrentQuantizer: GroupedCurrent, DelayedQuantizer: GroupedDelayed,
+            BlockwiseQuantizer: GroupedBlockwise}
 
 
 def grouped_quantizer_for(recipe) -> Quantizer:
-    """The grouped quantizer of `recipe`; NotImplementedError for one grouped_linear does not
-    take (quantizer_for(recipe).grouped is False)."""
-    dense = quantizer_for(recipe)
-    if not dense.grouped:
+    """The grouped quantizer of `recipe` (None: CurrentScaling()); NotImplementedError for one
+    grouped_linear does not take (its quantizer's `grouped` is False)."""
+    dense, recipe = quantizer_type(recipe)
+    grouped = _GROUPED.get(dense)
+    quantizer = None if grouped is None else grouped(recipe)
+    if quantizer is None or not quantizer.grouped:
         raise NotImplementedError(
             f"grouped_linear takes CurrentScaling (without amax_percentile) or DelayedScaling, "
-            f"both with round-to-nearest gradients, or BlockwiseScaling; not {dense.recipe}")
-    return _GROUPED[dense.kind](dense.recipe)
+            f"both with round-to-nearest gradients, or BlockwiseScaling; not {recipe}")
+    return quantizer
 
 
 def _warm_expert_scales(w: torch.Tensor, role, fmt, recipe) -> torch.Tensor:

@@ -43,7 +43,7 @@ from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from . import caches
 from .grouped import grouped_linear
-from .quantizers import quantizer_for
+from .quantizers import quantizer_for, quantizer_type
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
 
@@ -63,9 +63,9 @@ def convert_experts(module: nn.Module, recipe,
                     filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> Counter:
     """Give every transformers experts module in `module` (itself included) filter_fn picks an
     FP8 forward with `recipe` (a converted one takes the new recipe; one that has it already
-    keeps its FP8 state; None: CurrentScaling()). A recipe the grouped layer does not take (MXFP8Scaling, stochastic
-    rounding, a percentile amax) leaves them in high precision, with a warning. Returns the
-    count converted, by class name."""
+    keeps its FP8 state; None: CurrentScaling()). A recipe the grouped layer does not take
+    (MXFP8Scaling, stochastic rounding, a percentile amax) leaves them in high precision, with a
+    warning. Returns the count converted, by class name."""
     picked = [(fqn, mod) for fqn, mod in module.named_modules()
               if is_hf_experts(mod) and (filter_fn is None or filter_fn(mod, fqn))]
     kinds: Counter = Counter()
@@ -167,7 +167,7 @@ def _has_recipe(mod: nn.Module, recipe) -> bool:
 def _set_expert_states(mod: nn.Module, recipe) -> None:
     """A fresh delayed-scaling state per 3-D parameter (DelayedScaling), none otherwise."""
     mod._modules.pop("fp8_state", None)
-    if quantizer_for(recipe).delayed:
+    if quantizer_type(recipe)[0].delayed:
         mod.fp8_state = nn.ModuleDict({
             name: ExpertScalingState(recipe, getattr(mod, name).shape[0],
                                      getattr(mod, name).device, cache)

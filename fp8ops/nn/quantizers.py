@@ -19,7 +19,8 @@ asking which recipe it is:
   scale_block     the length of a scale block along a sharded dimension (None: per tensor)
 
 quantizer_for(recipe) makes one; it is small and holds nothing but the recipe and what it reads
-from it.
+from it. quantizer_type(recipe) gives its class alone, whose kind and delayed answer without
+making one.
 """
 from __future__ import annotations
 
@@ -374,16 +375,26 @@ _BY_RECIPE = {CurrentScaling: CurrentQuantizer, DelayedScaling: DelayedQuantizer
               MXFP8Scaling: MXQuantizer, BlockwiseScaling: BlockwiseQuantizer}
 
 
-def quantizer_for(recipe) -> Quantizer:
-    """The quantizer of `recipe` (None: CurrentScaling()); a recipe subclass takes its base's.
-    A new small object each call: a cache by recipe object would hold recipes (and their
-    process groups) alive, and torch.compile would guard on it (a recompile per recipe)."""
+def quantizer_type(recipe) -> tuple:
+    """(the quantizer class of `recipe`, the recipe checked) without making one: its class
+    attributes (kind, delayed) answer for the recipe. None: CurrentScaling(); a recipe subclass
+    takes its base's quantizer."""
     kind = _BY_RECIPE.get(type(recipe))
     if kind is not None:
-        return kind(recipe)
+        return kind, recipe
     recipe = check_recipe(recipe)
     for cls in type(recipe).__mro__:
         kind = _BY_RECIPE.get(cls)
         if kind is not None:
-            return kind(recipe)
+            return kind, recipe
     raise TypeError(f"no quantizer for {type(recipe).__name__}")  # (check_recipe refuses it)
+
+
+def quantizer_for(recipe) -> Quantizer:
+    """The quantizer of `recipe` (None: CurrentScaling()); a recipe subclass takes its base's.
+    A new small object each call: a cache by recipe object would hold recipes (and their
+    process groups) alive, and torch.compile would guard on it (a recompile per recipe)."""
+    kind = _BY_RECIPE.get(type(recipe))  # (the common case without a call more)
+    if kind is None:
+        kind, recipe = quantizer_type(recipe)
+    return kind(recipe)

@@ -91,7 +91,7 @@ def plan_for(layer, state, input: torch.Tensor, weight: torch.Tensor, key) -> Pl
             return Plan(recipe, state, layer.fallback, HIGH)
     bias = layer._parameters.get("bias")
     quantizer = quantizer_for(recipe)
-    current = quantizer.kind == "current" and quantizer.scales_from_max
+    current = quantizer.scales_from_max  # (current scaling without a percentile)
     blockwise, mx = quantizer.kind == "blockwise", quantizer.kind == "mxfp8"
     # delayed scaling: grad mode on (a live forward under no_grad, as reentrant checkpointing
     # runs one, leaves the grad role to its backward: the Python path's business)
