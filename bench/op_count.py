@@ -10,6 +10,7 @@ measurable without a GPU. Two kinds of step, on a bf16 layer:
 
     python bench/op_count.py            # the table; tests/test_op_budget.py holds the budget
     python bench/op_count.py --fsdp     # one FSDP2 step (one gloo process): FP8 vs bf16 gather
+    python bench/op_count.py --grouped  # FP8GroupedLinear (4 experts) per recipe it takes
 
 Counted with a TorchDispatchMode: each call reaching the dispatcher once (an fp8ops op is one
 call, whatever its kernel does inside). "launches" leaves out the calls that only make views or
@@ -112,13 +113,14 @@ def _device_path():
 
 
 def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,
-               dtype: torch.dtype = torch.bfloat16, accumulate: bool = False) -> dict:
+               dtype: torch.dtype = torch.bfloat16, accumulate: bool = False,
+               extra_args: tuple = ()) -> dict:
     """The counts of one forward + backward of `layer` (moved to `dtype`, as a bf16 model is
     trained) on an [m, in_features] batch, after `warmup` training steps (an optimizer steps the
     layer, so that its weight cast may be reused between steps). accumulate=False: the first
     micro-batch after an optimizer step and zero_grad (the weight is cast again, the gradients
     written); True: a later micro-batch (the weight's cast is reused, the gradients accumulated
-    into)."""
+    into). extra_args: the forward's arguments after x (a grouped layer's offsets)."""
     layer = layer.to(dtype)
     k, n = layer.in_features, layer.out_features
     x = torch.randn(m, k, dtype=dtype, requires_grad=True)
@@ -132,16 +134,16 @@ def count_step(layer: torch.nn.Module, m: int = 512, warmup: int = 3,
 
     with _device_path():
         for _ in range(warmup):
-            layer(x).backward(dy)
+            layer(x, *extra_args).backward(dy)
             new_window()
         if accumulate:
-            layer(x).backward(dy)  # the window's first micro-batch casts the weight
+            layer(x, *extra_args).backward(dy)  # the window's first micro-batch casts the weight
         grads = [t.grad for t in (x, *layer.parameters()) if t.grad is not None]
         with _Counter(large=min(m * k, m * n), grads=grads) as counter:
-            layer(x).backward(dy)
+            layer(x, *extra_args).backward(dy)
         if not accumulate:  # the same kind of step again, its Python counted
             new_window()
-        py_calls = python_calls(lambda: layer(x).backward(dy))
+        py_calls = python_calls(lambda: layer(x, *extra_args).backward(dy))
     calls = counter.calls
     return {
         "calls": sum(calls.values()),
@@ -165,6 +167,22 @@ def table(step: str = "accumulate", k: int = 256, n: int = 384) -> dict:
     for name, recipe in RECIPES.items():
         out[name] = count_step(fp8ops.FP8Linear(k, n, recipe=recipe()), accumulate=accumulate)
     return out
+
+
+GROUPED_RECIPES = ("delayed", "current", "blockwise")  # (grouped_linear takes no MXFP8)
+
+
+def grouped_table(step: str = "accumulate", experts: int = 4, k: int = 256, n: int = 384,
+                  m: int = 2048) -> dict:
+    """Counts of FP8GroupedLinear per recipe it takes, for one kind of step: `experts` experts
+    of [n, k], m rows split evenly among them (the offsets stay on the device). The experts
+    together are smaller than the activations, so that a copy of them is not taken for an
+    activation copy."""
+    accumulate = {"first": False, "accumulate": True}[step]
+    offsets = torch.arange(1, experts + 1, dtype=torch.int32) * (m // experts)
+    return {name: count_step(fp8ops.nn.FP8GroupedLinear(experts, k, n, recipe=RECIPES[name]()),
+                             m=m, accumulate=accumulate, extra_args=(offsets,))
+            for name in GROUPED_RECIPES}
 
 
 FSDP_SETUPS = ("bf16", "current:bf16", "current:fp8", "delayed:bf16", "delayed:fp8",
@@ -222,9 +240,10 @@ def _fsdp_main() -> None:
 def main() -> None:
     if "--fsdp" in sys.argv[1:]:
         _fsdp_main()
+    grouped = "--grouped" in sys.argv[1:]
     for step in STEPS:
-        rows = table(step)
-        print(f"\n## {step} micro-batch\n")
+        rows = grouped_table(step) if grouped else table(step)
+        print(f"\n## {'FP8GroupedLinear, ' if grouped else ''}{step} micro-batch\n")
         print("| layer | calls | launches | accumulations | host syncs | activation copies | "
               "python calls |")
         print("|---|---|---|---|---|---|---|")

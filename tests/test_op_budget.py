@@ -180,3 +180,39 @@ def test_a_fallback_call_meets_its_python_goal():
     assert layer.fp8_state.high_precision_calls > 0
     assert got["python_calls"] <= FALLBACK_PYTHON_GOAL, (got["python_calls"], linear)
     assert got["launches"] == linear["launches"], got["by_op"]
+
+
+# FP8GroupedLinear (op_count.grouped_table: 4 experts, the offsets on the device), per kind of
+# step: kernel-launching calls (a ratchet, as BUDGET) and Python calls (a ratchet with
+# PYTHON_SLACK). Current and blockwise scaling make one call per cast and three grouped GEMMs;
+# delayed scaling steps each expert's roles in unfused tensor ops (ExpertScalingState.step_role).
+GROUPED_BUDGET = {
+    "accumulate": {"delayed": 93, "current": 5, "blockwise": 5},
+    "first": {"delayed": 138, "current": 6, "blockwise": 7},
+}
+GROUPED_PYTHON_BUDGET = {
+    "accumulate": {"delayed": 199, "current": 82, "blockwise": 79},
+    "first": {"delayed": 242, "current": 83, "blockwise": 80},
+}
+GROUPED_CASES = [(step, recipe) for step in op_count.STEPS for recipe in op_count.GROUPED_RECIPES]
+
+
+@pytest.fixture(scope="module")
+def grouped_counts():
+    return {step: op_count.grouped_table(step) for step in op_count.STEPS}
+
+
+@pytest.mark.parametrize("step, recipe", GROUPED_CASES)
+def test_grouped_step_within_its_budgets(grouped_counts, step, recipe):
+    """No host read of the group sizes, no activation copy, and the launches and Python calls
+    held where they are."""
+    got = grouped_counts[step][recipe]
+    assert got["host_syncs"] == 0, got["by_op"]
+    assert got["activation_copies"] == 0, got["by_op"]
+    assert got["launches"] <= GROUPED_BUDGET[step][recipe], got["by_op"]
+    assert got["launches"] == GROUPED_BUDGET[step][recipe], (
+        f"lower GROUPED_BUDGET[{step!r}][{recipe!r}] to {got['launches']}")
+    calls, budget = got["python_calls"], GROUPED_PYTHON_BUDGET[step][recipe]
+    assert calls <= budget, (f"{recipe}, {step} micro-batch: {calls} Python calls, budget "
+                             f"{budget}")
+    assert calls + PYTHON_SLACK >= budget, f"lower GROUPED_PYTHON_BUDGET to {calls}"
