@@ -781,7 +781,8 @@ def _reduce_changed(layer, device: torch.device, dtype: torch.dtype) -> None:
     layers, keys = [], []
     others = [] if serial is None else [ref() for ref in _GATHERING]
     for other in others + ([] if layer in others else [layer]):
-        if other is None or quantizer_for(other.recipe).scale_block is not None:
+        # (block scales are the shard's own: nothing to reduce; a class attribute, nothing made)
+        if other is None or quantizer_type(other.recipe)[0].kind == "blockwise":
             continue
         cache = other.fp8_state.weight_cache
         if cache.source_tensor() is None or _group(other.fp8_state) is not group:
