@@ -27,12 +27,14 @@ takes windows of seq_len + 1 bytes at random starts, with replacement: the gpu p
 the train split about 6 times and overfits it.
 
 Every run starts from the same seed, sees the same batches in the same order and is evaluated on
-the same fixed validation batches. The FP8 runs convert the transformer blocks' nn.Linear layers
-(qkv, attention projection, MLP up / down, and gate for llama) with fp8ops.convert_to_fp8; the
-token / position embeddings and the LM head stay in high precision (filter_fn), as do LayerNorm /
-RMSNorm, the rotary embedding, softmax-attention and the loss. Baseline precision: float32 on
-CPU; on CUDA every run (the baseline and the non-FP8 ops of the FP8 runs) runs under bfloat16
-autocast.
+the same fixed validation batches. The CPU presets also fix the thread count and cap torch's CPU
+kernels at AVX2 (--threads, --cpu-isa): the float32 sums then split alike on a CPU with wider
+vectors, and the losses are README.md's to the last digit. The FP8 runs convert the transformer
+blocks' nn.Linear layers (qkv, attention projection, MLP up / down, and gate for llama) with
+fp8ops.convert_to_fp8; the token / position embeddings and the LM head stay in high precision
+(filter_fn), as do LayerNorm / RMSNorm, the rotary embedding, softmax-attention and the loss.
+Baseline precision: float32 on CPU; on CUDA every run (the baseline and the non-FP8 ops of the
+FP8 runs) runs under bfloat16 autocast.
 Optimizer: AdamW, or fp8ops.FP8AdamW with --optimizer fp8adamw (the moments in FP8 with block
 scales, --second-moment picks v's format); with --offload, fp8ops.CPUOffloadOptimizer of either:
 FP32 masters and the optimizer state on the host, the FP8 layers' weights on the device in FP8
@@ -122,11 +124,13 @@ OPTIMIZERS = ("adamw", "fp8adamw")
 SECOND_MOMENTS = ("sqrt_e4m3", "e5m2", "bf16")
 DEFAULT_RECIPES = ["baseline", "delayed", "current", "current_stochastic", "mxfp8", "blockwise"]
 # Presets; every field can be overridden by its flag. The CPU presets fix the thread count (but
-# for --fsdp): a float32 GEMM splits its sums by thread, and the FP8 casts round what differs
-# into different losses, so README.md's tables hold for this thread count.
+# for --fsdp) and the instruction set of torch's CPU kernels: a float32 GEMM splits its sums by
+# thread and by vector width, and the FP8 casts round what differs into different losses, so
+# README.md's tables hold for this thread count and these kernels.
 SIZES = {
     "cpu": dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2,
-                n_head=4, lr=3e-3, eval_every=50, eval_batches=8, threads=2, arch="gpt"),
+                n_head=4, lr=3e-3, eval_every=50, eval_batches=8, threads=2, cpu_isa="avx2",
+                arch="gpt"),
     # Llama-style, 412.1M parameters (411.0M of them in the blocks' Linears, which go to FP8):
     # GEMMs of 8192 tokens with K and N of 2048 to 6144, large enough for FP8 to pay for its
     # casts. AdamW's parameters, gradients and state: 16 bytes a parameter, 6.6 GB.
@@ -137,7 +141,8 @@ SIZES = {
     "gpu-gpt2": dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768,
                      n_layer=8, n_head=12, lr=1e-3, eval_every=200, eval_batches=32, arch="gpt"),
     "tiny": dict(device="cpu", steps=6, batch_size=4, seq_len=32, d_model=64, n_layer=1,
-                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2, threads=1, arch="gpt"),
+                 n_head=2, lr=3e-3, eval_every=3, eval_batches=2, threads=1, cpu_isa="avx2",
+                 arch="gpt"),
 }
 SEQ_LEN_HELP = ("; any length below the train split's 420 KB: every batch takes windows of "
                 "seq_len + 1 bytes at random starts, with replacement, so the gpu preset's 300 "
@@ -150,6 +155,23 @@ SIZES_HELP = ("preset (default: cpu): cpu = GPT d_model 128, 2 layers, batch 16 
               "300 steps, for one H100/H200; gpu-gpt2 = the earlier gpu preset: GPT d_model 768, "
               "8 layers, 57.3M parameters, batch 32 x seq 256, 2000 steps; tiny = GPT d_model 64, "
               "1 layer, 6 steps (the tests' size)")
+
+
+# The switches that cap the instruction set of torch's CPU kernels: ATen's vectorised ops, and
+# oneDNN's and MKL's GEMMs. Each library reads its switch at its first call, not at import.
+CPU_ISAS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+            "native": {}}
+
+
+def cap_cpu_kernels(isa: str) -> str:
+    """Cap torch's CPU kernels at `isa` (a CPU_ISAS key), before the first torch op runs. An
+    AVX-512 GEMM splits a float32 sum otherwise than an AVX2 one, so that the FP8 rows' last
+    digits would follow the CPU. A switch already set in the environment wins. Returns the
+    instruction set ATen runs."""
+    for name, value in CPU_ISAS[isa].items():
+        os.environ.setdefault(name, value)
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def parse_args(argv=None):
@@ -182,6 +204,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 2 for --size cpu, 1 for tiny, else torch's; "
                         "with --fsdp, torchrun's)")
+    p.add_argument("--cpu-isa", choices=CPU_ISAS, default=None,
+                   help="the instruction set torch's CPU kernels may use: avx2 (the cpu and tiny "
+                        "presets' default: the kernels README.md's losses were made with) or "
+                        "native (the others' default: the fastest this CPU has)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--monitor-every", type=int, default=25,
                    help="sample FP8 scaling statistics every N steps for scaling.png (0: off)")
@@ -499,7 +525,8 @@ def table(results, args, device, ranks):
             f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") + moe +
             f"params={count_params(args) / 1e6:.1f}M seq_len={args.seq_len} "
             f"batch={args.batch_size} steps={args.steps} lr={args.lr} seed={args.seed} "
-            f"threads={torch.get_num_threads()}; device={device} "
+            f"threads={torch.get_num_threads()} CPU kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}; device={device} "
             f"({'bf16 autocast' if device.type == 'cuda' else 'float32'} baseline); optimizer="
             f"{optimizer_name(args)}; parameters {args.param_dtype}; fp8_activations "
             f"{args.fp8_activations}; "
@@ -535,6 +562,10 @@ def plot(results, path):
 
 def main(argv=None):
     args = parse_args(argv)
+    kernels = cap_cpu_kernels(args.cpu_isa or "native")
+    if args.cpu_isa == "avx2" and kernels != "AVX2":
+        print(f"note: torch's CPU kernels run {kernels}, not AVX2: the FP8 losses' last digits "
+              f"may differ from README.md's", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

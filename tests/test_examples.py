@@ -33,6 +33,8 @@ def test_train_gpt_tiny(tiny):
     for name in RECIPES:
         assert f"| {name} |" in table, table
         assert f"| {name} |" in stdout
+    # the preset caps torch's CPU kernels before any op ran (those of README.md's losses)
+    assert "threads=1 CPU kernels AVX2;" in stdout, stdout
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     results = json.loads((out / "results.json").read_text())["results"]
@@ -64,16 +66,23 @@ def test_readme_tiny_table_is_the_demos(tiny):
     assert shown == _loss_columns((tiny[1] / "results.md").read_text())
 
 
-def _run_demo(out, *extra):
+def _run_demo(out, *extra, env=None):
     cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--size", "tiny",
            "--steps", "3", "--eval-every", "3", "--recipes", "baseline,delayed", "--out-dir",
            str(out), "--no-progress", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+                          env={**os.environ, "FP8OPS_FORCE_EMULATION": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     md = (out / "results.md").read_text()
     assert md in proc.stdout  # the table is printed
     return md, json.loads((out / "results.json").read_text())
+
+
+def test_a_users_own_kernel_switch_wins(tmp_path):
+    """The preset caps torch's CPU kernels only where the environment says nothing: a user's
+    ATEN_CPU_CAPABILITY stays, and the table's head says what ran."""
+    md, _ = _run_demo(tmp_path, env={"ATEN_CPU_CAPABILITY": "default"})
+    assert "CPU kernels DEFAULT;" in md, md
 
 
 def test_train_gpt_offload_tiny(tmp_path):
@@ -156,9 +165,9 @@ print(json.dumps({n: [type(m).__name__, m.bias is None] for n, m in model.named_
 GPU_GPT2 = dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768, n_layer=8,
                 n_head=12, lr=1e-3, eval_every=200, eval_batches=32, arch="gpt")
 CPU = dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2, n_head=4,
-           lr=3e-3, eval_every=50, eval_batches=8, threads=2, arch="gpt")
+           lr=3e-3, eval_every=50, eval_batches=8, threads=2, cpu_isa="avx2", arch="gpt")
 TINY = dict(device="cpu", steps=6, batch_size=4, seq_len=32, d_model=64, n_layer=1, n_head=2,
-            lr=3e-3, eval_every=3, eval_batches=2, threads=1, arch="gpt")
+            lr=3e-3, eval_every=3, eval_batches=2, threads=1, cpu_isa="avx2", arch="gpt")
 
 
 def test_gpu_preset_size():
