@@ -28,8 +28,9 @@ the train split about 6 times and overfits it.
 
 Every run starts from the same seed, sees the same batches in the same order and is evaluated on
 the same fixed validation batches. The CPU presets also fix the thread count and cap torch's CPU
-kernels at AVX2 (--threads, --cpu-isa): the float32 sums then split alike on a CPU with wider
-vectors, and the losses are README.md's to the last digit. The FP8 runs convert the transformer
+kernels at AVX2 (--threads, --cpu-isa), so that the float32 sums split alike on most CPUs: the
+baseline's losses are docs/demo.md's to the last digit, the FP8 rows' to the few units of the
+last digit that another CPU's kernel choices move (docs/demo.md says how far). The FP8 runs convert the transformer
 blocks' nn.Linear layers (qkv, attention projection, MLP up / down, and gate for llama) with
 fp8ops.convert_to_fp8; the token / position embeddings and the LM head stay in high precision
 (filter_fn), as do LayerNorm / RMSNorm, the rotary embedding, softmax-attention and the loss.
@@ -57,7 +58,7 @@ a single process). Every rank draws the same global batch and trains on its slic
 train and validation losses are averaged over the ranks. Data-parallel gradients are summed in
 another order than one process's, and the FP8 casts of activations and gradients take each rank's
 own amax (current scaling) rather than the whole batch's, so the losses agree with the
-single-process table to a tolerance, not bit for bit (README.md, "Sharded training"). Rank 0
+single-process table to a tolerance, not bit for bit (docs/distributed.md, "Sharded training"). Rank 0
 prints the progress and writes results_fsdp.md, results_fsdp.json, loss_curves_fsdp.png and
 scaling_fsdp.png (from its own monitor: the scales and underflow of its slice's activations and
 gradients; a weight gathered in FP8 is cast shard by shard inside FSDP2's all-gather, which the
@@ -126,7 +127,7 @@ DEFAULT_RECIPES = ["baseline", "delayed", "current", "current_stochastic", "mxfp
 # Presets; every field can be overridden by its flag. The CPU presets fix the thread count (but
 # for --fsdp) and the instruction set of torch's CPU kernels: a float32 GEMM splits its sums by
 # thread and by vector width, and the FP8 casts round what differs into different losses, so
-# README.md's tables hold for this thread count and these kernels.
+# docs/demo.md's tables hold for this thread count and these kernels.
 SIZES = {
     "cpu": dict(device="cpu", steps=200, batch_size=16, seq_len=64, d_model=128, n_layer=2,
                 n_head=4, lr=3e-3, eval_every=50, eval_batches=8, threads=2, cpu_isa="avx2",
@@ -136,7 +137,7 @@ SIZES = {
     # casts. AdamW's parameters, gradients and state: 16 bytes a parameter, 6.6 GB.
     "gpu": dict(device="cuda", steps=300, batch_size=8, seq_len=1024, d_model=2048, n_layer=8,
                 n_head=16, lr=3e-4, eval_every=100, eval_batches=8, arch="llama"),
-    # the GPT-2-style preset that --size gpu was until the Llama-style one (README.md's H200
+    # the GPT-2-style preset that --size gpu was until the Llama-style one (docs/demo.md's H200
     # table): at d_model 768 the FP8 casts cost more than the GEMMs save
     "gpu-gpt2": dict(device="cuda", steps=2000, batch_size=32, seq_len=256, d_model=768,
                      n_layer=8, n_head=12, lr=1e-3, eval_every=200, eval_batches=32, arch="gpt"),
@@ -206,7 +207,7 @@ def parse_args(argv=None):
                         "with --fsdp, torchrun's)")
     p.add_argument("--cpu-isa", choices=CPU_ISAS, default=None,
                    help="the instruction set torch's CPU kernels may use: avx2 (the cpu and tiny "
-                        "presets' default: the kernels README.md's losses were made with) or "
+                        "presets' default: the kernels docs/demo.md's losses were made with) or "
                         "native (the others' default: the fastest this CPU has)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--monitor-every", type=int, default=25,
@@ -565,7 +566,7 @@ def main(argv=None):
     kernels = cap_cpu_kernels(args.cpu_isa or "native")
     if args.cpu_isa == "avx2" and kernels != "AVX2":
         print(f"note: torch's CPU kernels run {kernels}, not AVX2: the FP8 losses' last digits "
-              f"may differ from README.md's", file=sys.stderr)
+              f"may differ from docs/demo.md's", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
