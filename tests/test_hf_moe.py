@@ -169,8 +169,9 @@ def test_mixtral_in_bf16_trains_with_fp8adamw(recipe):
 
 
 def test_state_dict_resume_is_exact():
-    """The resume README gives for MoE models: torch.save of the model's and the optimizer's
-    state_dicts (the experts' delayed-scaling buffers included) continues bit for bit."""
+    """The resume docs/huggingface.md gives for MoE models: torch.save of the model's and the
+    optimizer's state_dicts (the experts' delayed-scaling buffers included) continues bit for
+    bit."""
     model = fp8ops.convert_to_fp8(_model("mixtral"), fp8ops.DelayedScaling())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train_mixtral(model, opt, steps=2, seed=0)
