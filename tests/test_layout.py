@@ -25,7 +25,7 @@ OLD_PATHS = {
     "fp8ops.modules": "fp8ops.nn.modules",
     "fp8ops.weight_cache": "fp8ops.scaling.weight_cache",
     "fp8ops.nn.weight_cache": "fp8ops.scaling.weight_cache",
-    "fp8ops.amax_reduction": "fp8ops.distributed.amax_reduction",
+    "fp8ops.amax_reduction": "fp8ops.scaling.amax_reduction",
 }
 
 

@@ -59,7 +59,7 @@ from ..nn.grouped import FP8GroupedLinear
 from ..nn.quantizers import quantizer_for, quantizer_type
 from ..ops.expert_casts import experts_amax, quantize_experts_scaled, transpose_experts
 from ..scaling import current_scale, recipe_formats, weight_cache
-from .amax import all_reduce_amax
+from ..scaling.amax_all_reduce import all_reduce_amax
 from .tensor_parallel import TP_WEIGHT
 
 _ops = torch.ops.fp8ops

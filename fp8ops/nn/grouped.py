@@ -27,7 +27,7 @@ once per accumulation window as the cache decides. So expert g's bytes and state
 a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
 with no graph break. Under torch.distributed (data parallel, FSDP2) the experts' amaxes are
 recorded on each rank and folded across the ranks by the dense layers' one MAX all-reduce at the
-end of the backward pass (distributed/amax_reduction.py), and a warm start casts with each
+end of the backward pass (scaling/amax_reduction.py), and a warm start casts with each
 expert's amax over all ranks: every rank's state stays identical, and is the state of one process
 that ran every rank's tokens (an expert given no tokens on one rank takes the others' amaxes).
 Under FSDP2 (fully_shard) FP8GroupedLinear's weight, and a converted transformers experts
@@ -47,7 +47,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import on_weight_set
 from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
@@ -57,6 +56,7 @@ from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype
 from .functional import check_operands
 from .grouped_quantizers import grouped_quantizer_for
 from .quantizers import quantizer_type
+from .sharding import SHARDED_WEIGHT_HOOKS, is_dtensor
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -292,9 +292,10 @@ class FP8GroupedLinear(nn.Module):
 
     def __setattr__(self, name, value):
         # FSDP2 sets its sharded parameter through setattr when a module defines it: there
-        # fp8ops.distributed has FSDP2 gather the experts in FP8
-        if name == "weight":
-            on_weight_set(self, value)
+        # fp8ops.distributed's hook has FSDP2 gather the experts in FP8 (sharding.py)
+        if name == "weight" and is_dtensor(value):
+            for hook in SHARDED_WEIGHT_HOOKS:
+                hook(self, value)
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):

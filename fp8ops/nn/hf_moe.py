@@ -38,12 +38,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..distributed import on_sharded_experts
 from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from . import caches
 from .grouped import grouped_linear
 from .quantizers import quantizer_for, quantizer_type
+from .sharding import SHARDED_EXPERTS_HOOKS
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
 
@@ -127,7 +127,8 @@ def _stop_awaiting(mod: Optional[nn.Module]) -> None:
 
 def _offer_sharded(module: nn.Module, args) -> None:
     """Before any module's forward: hand the sharded 3-D parameters of the awaiting converted
-    modules to fp8ops.distributed (no DTensor can exist before its module is imported)."""
+    modules to the hooks fp8ops.distributed installs (sharding.py; no DTensor can exist before
+    its module is imported)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None or torch.compiler.is_compiling():  # (FSDP2 starts eagerly)
         return
@@ -139,7 +140,8 @@ def _offer_sharded(module: nn.Module, args) -> None:
         sharded = {name: getattr(mod, name) for name in mod.fp8_weight_caches}
         if all(isinstance(p, dtensor.DTensor) for p in sharded.values()):
             for name, param in sharded.items():
-                on_sharded_experts(mod, name, param)
+                for hook in SHARDED_EXPERTS_HOOKS:
+                    hook(mod, name, param)
             _stop_awaiting(mod)
 
 
