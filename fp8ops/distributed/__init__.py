@@ -1,5 +1,5 @@
 """FP8 training on torch.distributed's own engines, built on the layers: FSDP2's FP8 weight
-all-gather (fsdp.py) and DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py). The
+all-gather (fsdp/) and DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py). The
 layers learn of them only through hooks: fp8ops registers on_sharded_weight and
 on_sharded_experts in nn.sharding's hook lists. (The amax all-reduces the scaling states make,
 beneath the layers, are in fp8ops.scaling: amax_all_reduce.py, amax_reduction.py, agreement.py.)
@@ -20,7 +20,7 @@ def on_sharded_weight(layer, dtensor) -> None:
     a tensor-parallel style's): the first time, check that every rank of its mesh converted the
     layer with the same recipe (every rank shards the same layers in the same order); then have
     FSDP2 gather it in FP8 where the recipe allows. Registered by fp8ops in
-    nn.sharding.SHARDED_WEIGHT_HOOKS; fsdp.py is imported with the first DTensor weight."""
+    nn.sharding.SHARDED_WEIGHT_HOOKS; fsdp/ is imported with the first DTensor weight."""
     agreed = _AGREED.setdefault(layer, set())
     mesh = dtensor.device_mesh
     for dim in range(mesh.ndim):

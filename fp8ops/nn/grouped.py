@@ -31,7 +31,7 @@ end of the backward pass (scaling/amax_reduction.py), and a warm start casts wit
 expert's amax over all ranks: every rank's state stays identical, and is the state of one process
 that ran every rank's tokens (an expert given no tokens on one rank takes the others' amaxes).
 Under FSDP2 (fully_shard) FP8GroupedLinear's weight, and a converted transformers experts
-module's 3-D parameters, are gathered in FP8 (distributed/fsdp.py): each rank casts its whole
+module's 3-D parameters, are gathered in FP8 (distributed/fsdp/): each rank casts its whole
 experts, the gathered bytes and scales come as the weight, and the grouped GEMMs take them as
 they are (current, delayed and blockwise scaling; delayed scaling steps and records as the
 unsharded layer does, each rank casting its experts with their slice of the role's scales).
@@ -84,7 +84,7 @@ def _cast_experts(weight: torch.Tensor, quantizer, cache: Optional[WeightCache],
     if host is not None:  # offloaded (CPUOffloadOptimizer): weight is a placeholder
         cast = _from_host(cast, host)
     with torch.no_grad():
-        if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp.py)
+        if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp/)
             return weight.expert_payload(cache, live)
         if (cache is None or torch.compiler.is_compiling()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -265,7 +265,7 @@ class FP8GroupedLinear(nn.Module):
     weight is gathered in FP8 (module doc); set `fp8_all_gather = False` before fully_shard to
     gather it in high precision."""
 
-    # under FSDP2, gather the experts in FP8 where the recipe allows (distributed/fsdp.py)
+    # under FSDP2, gather the experts in FP8 where the recipe allows (distributed/fsdp/)
     fp8_all_gather = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,

@@ -21,7 +21,7 @@ parameter also has its experts' delayed-scaling state, an ExpertScalingState in 
 are in the module's state_dict under `fp8_state.`, as an FP8Linear's are (plain_state_dict
 leaves them out), and follow the module's device moves. Casts record in training mode only.
 Under FSDP2 (fully_shard after the conversion, before the first forward) the 3-D parameters are
-gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current, delayed and
+gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp/experts.py; current, delayed and
 blockwise scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts
 module before its first forward to gather them in high precision. A CPUOffloadOptimizer keeps
 the 3-D parameters on the device as their FP8 casts only (optim/offload.py), as FP8Linear
@@ -93,7 +93,7 @@ def convert_experts(module: nn.Module, recipe,
     return kinds
 
 
-# FSDP2 gathers a converted module's 3-D parameters in FP8 (distributed/fsdp.py) when their
+# FSDP2 gathers a converted module's 3-D parameters in FP8 (distributed/fsdp/) when their
 # sharded local tensors carry its all-gather extension by FSDP2's first forward, which looks for
 # it; FSDP2 sets its parameters on a module without a __setattr__ of its own unseen (the FP8
 # layers have one). So until a converted module's own first forward, a global forward pre-hook

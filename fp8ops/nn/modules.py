@@ -31,7 +31,7 @@ class FP8Linear(nn.Linear):
     # the parameter is the transpose of the [out, in] weight the GEMMs read (FP8Conv1D)
     weight_transposed = False
 
-    # under FSDP2, gather the weight in FP8 where the recipe allows (distributed/fsdp.py)
+    # under FSDP2, gather the weight in FP8 where the recipe allows (distributed/fsdp/)
     fp8_all_gather = True
 
     # where a call runs the high-precision GEMMs instead (fallback.py)
