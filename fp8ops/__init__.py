@@ -8,7 +8,9 @@ Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), sc
 recipes, ScalingState, the weight cache and the amax all-reduces across ranks), nn/ (autograd
 Functions, fp8ops.linear, FP8Linear and convert_to_fp8), optim/ (CPU offload of masters and
 optimizer state, FP8AdamW), distributed/ (FSDP2 and tensor parallelism). Beside them:
-formats, tensors (quantize / gemm), monitoring and memory.
+formats, tensors (quantize / gemm), monitoring and memory. Each layer imports only those below
+it: formats < ops < scaling < nn (and tensors) < optim, distributed < monitoring, memory and this
+module (tests/test_layering.py).
 """
 import sys
 
