@@ -14,7 +14,7 @@ counted step is the steady state. Setups per model:
   - <recipe>, fp8_all_gather=False: FP8Linear layers, weights gathered in bf16 (both FP8 setups
     compute in FP8 at every shape: fallback="never");
   - <recipe>, fp8_all_gather=True: FP8Linear weights gathered in FP8 where the recipe allows it
-    (fp8ops/distributed/fsdp.py: per-tensor recipes always, blockwise when each shard holds whole
+    (fp8ops/distributed/fsdp/: per-tensor recipes always, blockwise when each shard holds whole
     128-row blocks, MXFP8 never).
 Models: the demo GPT (examples/gpt.py, the "cpu" preset of examples/train_gpt.py; its blocks'
 Linears in FP8, embeddings and LM head in bf16), one Llama-3-8B-shaped block (d_model 4096, FFN

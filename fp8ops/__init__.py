@@ -5,10 +5,12 @@ Hopper. See README.md; the numerics are those of docs/design.md, with the finer 
 docs/numerics.md.
 
 Subpackages: ops/ (the torch.ops.fp8ops operators and their implementations), scaling/ (the
-recipes, ScalingState and the weight cache), nn/ (autograd Functions, fp8ops.linear, FP8Linear
-and convert_to_fp8), optim/ (CPU offload of masters and optimizer state, FP8AdamW),
-distributed/ (FSDP2, tensor parallelism and the amax all-reduces). Beside them: formats, tensors
-(quantize / gemm), monitoring and memory.
+recipes, ScalingState, the weight cache and the amax all-reduces across ranks), nn/ (autograd
+Functions, fp8ops.linear, FP8Linear and convert_to_fp8), optim/ (CPU offload of masters and
+optimizer state, FP8AdamW), distributed/ (FSDP2 and tensor parallelism). Beside them:
+formats, tensors (quantize / gemm), monitoring and memory. Each layer imports only those below
+it: formats < ops < scaling < nn (and tensors) < optim, distributed < monitoring, memory and this
+module (tests/test_layering.py).
 """
 import sys
 
@@ -20,8 +22,9 @@ from .nn.caches import invalidate
 from .nn.fallback import Crossover
 from .nn.functional import linear
 from .nn.grouped import FP8GroupedLinear, grouped_linear
-from .nn.modules import (SHARDED_WEIGHT_HOOKS, FP8Conv1D, FP8Linear, convert_from_fp8,
-                         convert_to_fp8, plain_state_dict)
+from .nn.modules import (FP8Conv1D, FP8Linear, convert_from_fp8, convert_to_fp8,
+                         plain_state_dict)
+from .nn.sharding import SHARDED_EXPERTS_HOOKS, SHARDED_WEIGHT_HOOKS
 from .ops.backend import backend
 from .optim.fp8_adamw import FP8Adam, FP8AdamW
 from .optim.offload import CPUOffloadOptimizer
@@ -29,11 +32,13 @@ from .scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Sca
                       ScalingState)
 from .tensors import (BlockwiseTensor, Float8Tensor, MXTensor, amax, dequantize, gemm, quantize,
                       quantize_blockwise, quantize_mx)
-from .distributed import on_sharded_weight
+from .distributed import on_sharded_experts, on_sharded_weight
 
-# the layers know nothing of FSDP2: its FP8 all-gather installs itself on their sharded weights
+# the layers know nothing of FSDP2 (nn/ sits below distributed/): its FP8 all-gather installs
+# itself on their sharded weights, dense, grouped and transformers' experts alike
 SHARDED_WEIGHT_HOOKS.append(on_sharded_weight)
-del SHARDED_WEIGHT_HOOKS, on_sharded_weight
+SHARDED_EXPERTS_HOOKS.append(on_sharded_experts)
+del SHARDED_EXPERTS_HOOKS, SHARDED_WEIGHT_HOOKS, on_sharded_experts, on_sharded_weight
 
 __version__ = "0.1.0"
 
@@ -45,7 +50,7 @@ _MOVED = {
     "fp8ops.modules": "fp8ops.nn.modules",
     "fp8ops.weight_cache": "fp8ops.scaling.weight_cache",
     "fp8ops.nn.weight_cache": "fp8ops.scaling.weight_cache",
-    "fp8ops.amax_reduction": "fp8ops.distributed.amax_reduction",
+    "fp8ops.amax_reduction": "fp8ops.scaling.amax_reduction",
 }
 sys.modules.update({old: sys.modules[new] for old, new in _MOVED.items()})
 

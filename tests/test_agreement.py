@@ -1,5 +1,5 @@
 """Ranks that converted their models with different recipes raise an error naming both at the
-first collective (fp8ops/distributed/agreement.py), instead of waiting on each other until the
+first collective (fp8ops/scaling/agreement.py), instead of waiting on each other until the
 process group's timeout. On gloo with 2 CPU processes."""
 from __future__ import annotations
 

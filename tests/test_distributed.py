@@ -4,7 +4,7 @@ write their results to files; the assertions run here, in the pytest process.
 
 The model is Linear(32, 64) -> GELU -> Linear(64, 16), both FP8Linear with DelayedScaling. Rank r
 scales its inputs by (1 + 3r), so the ranks see different amax and only the all-reduce (MAX) of
-the recorded amaxes (one per backward pass for every layer: fp8ops.distributed.amax_reduction) can make their
+the recorded amaxes (one per backward pass for every layer: fp8ops.scaling.amax_reduction) can make their
 scales agree. DDP runs with its defaults (buffers broadcast from rank 0 before every forward):
 that is harmless only because every fp8 buffer is identical on every rank between steps."""
 from __future__ import annotations

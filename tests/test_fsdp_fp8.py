@@ -1,4 +1,4 @@
-"""FP8 weight all-gather under FSDP2 (fp8ops/distributed/fsdp.py), on gloo with 1, 2 and 4 CPU
+"""FP8 weight all-gather under FSDP2 (fp8ops/distributed/fsdp/), on gloo with 1, 2 and 4 CPU
 processes.
 
 Exactness: with the same batch on every rank, the data-parallel gradient average of identical

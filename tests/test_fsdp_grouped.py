@@ -1,4 +1,4 @@
-"""FSDP2's FP8 all-gather of FP8GroupedLinear's expert weights (fp8ops/distributed/fsdp.py), on
+"""FSDP2's FP8 all-gather of FP8GroupedLinear's expert weights (fp8ops/distributed/fsdp/experts.py), on
 gloo with 1 and 2 CPU processes.
 
 With the same batches on every rank the sharded run must be the single-process run bit for bit
@@ -141,7 +141,7 @@ def _same_data_worker(rank, out_dir):
 
 def _rank_data_worker(rank, out_dir):
     import torch.distributed.checkpoint as dcp
-    from fp8ops.distributed import fsdp
+    from fp8ops.distributed.fsdp import experts as fsdp_experts
     res = {}
     for name, recipe in RECIPES.items():
         for fp8 in (True, False):
@@ -159,18 +159,18 @@ def _rank_data_worker(rank, out_dir):
                        for layer in (model.up, model.down)]
     # the experts' casts: one per optimizer step once an optimizer holds the weights
     casts, per_step = [0], []
-    counted = fsdp._cast_expert_values
+    counted = fsdp_experts._cast_expert_values
 
     def counting(*args):
         casts[0] += 1
         return counted(*args)
 
-    fsdp._cast_expert_values = counting
+    fsdp_experts._cast_expert_values = counting
     try:
         train(shard(make_model(RECIPES["current"])), rank,
               on_step=lambda step: per_step.append(casts[0] - sum(per_step)))
     finally:
-        fsdp._cast_expert_values = counted
+        fsdp_experts._cast_expert_values = counted
     res["casts_per_step"] = per_step
     # checkpoints hold plain tensors; a checkpoint loaded into another model trains on alike
     model = shard(make_model(RECIPES["current"]))

@@ -1,5 +1,5 @@
 """FSDP2's FP8 all-gather of converted transformers experts modules (fp8ops/nn/hf_moe.py,
-fp8ops/distributed/fsdp.py), on gloo with 2 CPU processes: a tiny Mixtral built from its config
+fp8ops/distributed/fsdp/experts.py), on gloo with 2 CPU processes: a tiny Mixtral built from its config
 (nothing downloaded), converted, then fully_shard per decoder layer and at the root.
 
 With the same batches on every rank the sharded run must be the single-process run bit for bit

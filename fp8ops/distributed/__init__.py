@@ -1,15 +1,17 @@
-"""FP8 training on torch.distributed's own engines: FSDP2's FP8 weight all-gather (fsdp.py) and
-DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py), both built on the layers; and
-beneath the layers, the amax all-reduces the scaling state makes (amax.py: one amax over the
-ranks or the shards of a tensor; amax_reduction.py: one all-reduce per backward pass for every
-delayed-scaling layer). Public names are re-exported at fp8ops.* lazily, so that `import fp8ops`
-does not import torch.distributed.tensor."""
+"""FP8 training on torch.distributed's own engines, built on the layers: FSDP2's FP8 weight
+all-gather (fsdp/) and DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py). The
+layers learn of them only through hooks: fp8ops registers on_sharded_weight and
+on_sharded_experts in nn.sharding's hook lists. (The amax all-reduces the scaling states make,
+beneath the layers, are in fp8ops.scaling: amax_all_reduce.py, amax_reduction.py, agreement.py.)
+Public names are re-exported at fp8ops.* lazily, so that `import fp8ops` does not import
+torch.distributed.tensor."""
 
 
-import sys
 import weakref
 
-# layer -> the process groups (by id) whose ranks have compared its recipe (agreement.py)
+from ..scaling.agreement import check_recipes
+
+# layer -> the process groups (by id) whose ranks have compared its recipe
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -18,14 +20,12 @@ def on_sharded_weight(layer, dtensor) -> None:
     a tensor-parallel style's): the first time, check that every rank of its mesh converted the
     layer with the same recipe (every rank shards the same layers in the same order); then have
     FSDP2 gather it in FP8 where the recipe allows. Registered by fp8ops in
-    nn.modules.SHARDED_WEIGHT_HOOKS (FP8GroupedLinear calls on_weight_set); fsdp.py is imported
-    with the first DTensor weight."""
+    nn.sharding.SHARDED_WEIGHT_HOOKS; fsdp/ is imported with the first DTensor weight."""
     agreed = _AGREED.setdefault(layer, set())
     mesh = dtensor.device_mesh
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
         if id(group) not in agreed:
-            from .agreement import check_recipes
             agreed.add(id(group))
             check_recipes(layer.recipe, group, once=False, what=_what(layer))
     from . import fsdp
@@ -37,8 +37,9 @@ def on_sharded_weight(layer, dtensor) -> None:
 
 def on_sharded_experts(module, name: str, dtensor) -> None:
     """A converted transformers experts module's 3-D parameter `name` is FSDP2's sharded
-    DTensor: as on_sharded_weight, for that parameter (fsdp.ExpertParameter). Called by
-    nn.hf_moe before FSDP2's first forward (when FSDP2 looks for the extension)."""
+    DTensor: as on_sharded_weight, for that parameter (fsdp.ExpertParameter). Registered by
+    fp8ops in nn.sharding.SHARDED_EXPERTS_HOOKS: nn.hf_moe calls it before FSDP2's first
+    forward (when FSDP2 looks for the extension)."""
     from . import fsdp
     on_sharded_weight(fsdp.expert_parameter(module, name), dtensor)
 
@@ -49,11 +50,3 @@ def _what(layer) -> str:
     if description is not None:
         return description
     return f"an {type(layer).__name__}({layer.in_features}, {layer.out_features})"
-
-
-def on_weight_set(layer, value) -> None:
-    """A layer's weight was set: a DTensor goes to on_sharded_weight. (No DTensor can exist
-    before its module is imported: `import fp8ops` stays light.)"""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(value, dtensor.DTensor):
-        on_sharded_weight(layer, value)

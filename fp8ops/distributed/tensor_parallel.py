@@ -42,7 +42,7 @@ from ..nn.functional import linear
 from ..nn.modules import FP8Conv1D, FP8Linear
 from ..nn.quantizers import quantizer_for
 from ..scaling import CurrentScaling, current_scale, weight_cache
-from .amax import shard_amax
+from ..scaling.amax_all_reduce import shard_amax
 
 __all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput"]
 

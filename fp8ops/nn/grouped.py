@@ -27,11 +27,11 @@ once per accumulation window as the cache decides. So expert g's bytes and state
 a dense FP8Linear run on its rows alone. The offsets stay on the device; torch.compile takes it
 with no graph break. Under torch.distributed (data parallel, FSDP2) the experts' amaxes are
 recorded on each rank and folded across the ranks by the dense layers' one MAX all-reduce at the
-end of the backward pass (distributed/amax_reduction.py), and a warm start casts with each
+end of the backward pass (scaling/amax_reduction.py), and a warm start casts with each
 expert's amax over all ranks: every rank's state stays identical, and is the state of one process
 that ran every rank's tokens (an expert given no tokens on one rank takes the others' amaxes).
 Under FSDP2 (fully_shard) FP8GroupedLinear's weight, and a converted transformers experts
-module's 3-D parameters, are gathered in FP8 (distributed/fsdp.py): each rank casts its whole
+module's 3-D parameters, are gathered in FP8 (distributed/fsdp/): each rank casts its whole
 experts, the gathered bytes and scales come as the weight, and the grouped GEMMs take them as
 they are (current, delayed and blockwise scaling; delayed scaling steps and records as the
 unsharded layer does, each rank casting its experts with their slice of the role's scales).
@@ -47,7 +47,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed import on_weight_set
 from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
@@ -57,6 +56,7 @@ from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype
 from .functional import check_operands
 from .grouped_quantizers import grouped_quantizer_for
 from .quantizers import quantizer_type
+from .sharding import SHARDED_WEIGHT_HOOKS, is_dtensor
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -84,7 +84,7 @@ def _cast_experts(weight: torch.Tensor, quantizer, cache: Optional[WeightCache],
     if host is not None:  # offloaded (CPUOffloadOptimizer): weight is a placeholder
         cast = _from_host(cast, host)
     with torch.no_grad():
-        if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp.py)
+        if is_gathered(weight):  # FSDP2 gathered the experts in FP8 (distributed/fsdp/)
             return weight.expert_payload(cache, live)
         if (cache is None or torch.compiler.is_compiling()
                 or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -265,7 +265,7 @@ class FP8GroupedLinear(nn.Module):
     weight is gathered in FP8 (module doc); set `fp8_all_gather = False` before fully_shard to
     gather it in high precision."""
 
-    # under FSDP2, gather the experts in FP8 where the recipe allows (distributed/fsdp.py)
+    # under FSDP2, gather the experts in FP8 where the recipe allows (distributed/fsdp/)
     fp8_all_gather = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
@@ -292,9 +292,10 @@ class FP8GroupedLinear(nn.Module):
 
     def __setattr__(self, name, value):
         # FSDP2 sets its sharded parameter through setattr when a module defines it: there
-        # fp8ops.distributed has FSDP2 gather the experts in FP8
-        if name == "weight":
-            on_weight_set(self, value)
+        # fp8ops.distributed's hook has FSDP2 gather the experts in FP8 (sharding.py)
+        if name == "weight" and is_dtensor(value):
+            for hook in SHARDED_WEIGHT_HOOKS:
+                hook(self, value)
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):

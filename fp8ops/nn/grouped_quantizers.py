@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import amax_reduction
+from ..scaling import amax_reduction
 from ..ops.expert_casts import experts_amax, quantize_experts_scaled
 from ..scaling import grad_margin
 from ..scaling.expert_state import ExpertScalingState

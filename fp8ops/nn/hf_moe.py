@@ -21,7 +21,7 @@ parameter also has its experts' delayed-scaling state, an ExpertScalingState in 
 are in the module's state_dict under `fp8_state.`, as an FP8Linear's are (plain_state_dict
 leaves them out), and follow the module's device moves. Casts record in training mode only.
 Under FSDP2 (fully_shard after the conversion, before the first forward) the 3-D parameters are
-gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp.py; current, delayed and
+gathered in FP8 as FP8GroupedLinear's weight is (distributed/fsdp/experts.py; current, delayed and
 blockwise scaling, experts not stored transposed); set `fp8_all_gather = False` on the experts
 module before its first forward to gather them in high precision. A CPUOffloadOptimizer keeps
 the 3-D parameters on the device as their FP8 casts only (optim/offload.py), as FP8Linear
@@ -38,12 +38,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..distributed import on_sharded_experts
 from ..scaling import WeightCache
 from ..scaling.expert_state import ExpertScalingState
 from . import caches
 from .grouped import grouped_linear
 from .quantizers import quantizer_for, quantizer_type
+from .sharding import SHARDED_EXPERTS_HOOKS
 
 logger = logging.getLogger("fp8ops.modules")  # convert_to_fp8's logger
 
@@ -93,7 +93,7 @@ def convert_experts(module: nn.Module, recipe,
     return kinds
 
 
-# FSDP2 gathers a converted module's 3-D parameters in FP8 (distributed/fsdp.py) when their
+# FSDP2 gathers a converted module's 3-D parameters in FP8 (distributed/fsdp/) when their
 # sharded local tensors carry its all-gather extension by FSDP2's first forward, which looks for
 # it; FSDP2 sets its parameters on a module without a __setattr__ of its own unseen (the FP8
 # layers have one). So until a converted module's own first forward, a global forward pre-hook
@@ -127,7 +127,8 @@ def _stop_awaiting(mod: Optional[nn.Module]) -> None:
 
 def _offer_sharded(module: nn.Module, args) -> None:
     """Before any module's forward: hand the sharded 3-D parameters of the awaiting converted
-    modules to fp8ops.distributed (no DTensor can exist before its module is imported)."""
+    modules to the hooks fp8ops.distributed installs (sharding.py; no DTensor can exist before
+    its module is imported)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None or torch.compiler.is_compiling():  # (FSDP2 starts eagerly)
         return
@@ -139,7 +140,8 @@ def _offer_sharded(module: nn.Module, args) -> None:
         sharded = {name: getattr(mod, name) for name in mod.fp8_weight_caches}
         if all(isinstance(p, dtensor.DTensor) for p in sharded.values()):
             for name, param in sharded.items():
-                on_sharded_experts(mod, name, param)
+                for hook in SHARDED_EXPERTS_HOOKS:
+                    hook(mod, name, param)
             _stop_awaiting(mod)
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections import Counter, OrderedDict
 from typing import Callable, Optional
@@ -16,6 +15,7 @@ from .autograd import is_gathered
 from .fallback import Fallback, check_fallback, runs_fp8
 from .functional import linear
 from .hf_moe import convert_experts, restore_experts
+from .sharding import SHARDED_WEIGHT_HOOKS, is_dtensor
 from ..scaling import ScalingState, check_recipe
 
 logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 documents
@@ -24,19 +24,6 @@ logger = logging.getLogger("fp8ops.modules")  # the name convert_to_fp8 document
 # such as meta)
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
-# hook(layer, value), called whenever a DTensor is set as an FP8Linear's weight: FSDP2 and the
-# tensor-parallel styles set their parameters through setattr (FSDP2 swaps the sharded one and
-# the gathered copy in and out). fp8ops.distributed installs its FP8 all-gather here; the layers
-# know nothing of it.
-SHARDED_WEIGHT_HOOKS: list = []
-
-
-def is_dtensor(t) -> bool:
-    # no DTensor can exist before its module is imported (keeps importing fp8ops light)
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
 class FP8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run in FP8. Parameters, initialization and state_dict keys
     are nn.Linear's; the FP8 state (amax histories, scales, RNG offset) is in `fp8_state`."""
@@ -44,7 +31,7 @@ class FP8Linear(nn.Linear):
     # the parameter is the transpose of the [out, in] weight the GEMMs read (FP8Conv1D)
     weight_transposed = False
 
-    # under FSDP2, gather the weight in FP8 where the recipe allows (distributed/fsdp.py)
+    # under FSDP2, gather the weight in FP8 where the recipe allows (distributed/fsdp/)
     fp8_all_gather = True
 
     # where a call runs the high-precision GEMMs instead (fallback.py)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..distributed.amax import shard_amax
+from ..scaling.amax_all_reduce import shard_amax
 from ..ops import fused
 from ..scaling import ScalingState, current_scale
 

@@ -33,7 +33,7 @@ from ..ops.expert_casts import BLOCK, quantize_experts_blockwise, quantize_exper
 from ..formats import get_format
 from ..scaling import (BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling,
                        ScalingState, check_recipe, grad_margin)
-from ..distributed import amax_reduction
+from ..scaling import amax_reduction
 from . import cast_stats
 from .autograd import (FP8LinearFunction, cached_weight_cast, is_gathered, pad, steps_state,
                        takes_warm_scale)

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..distributed.world import WORLD, initialized as _distributed
+from ..scaling.world import WORLD, initialized as _distributed
 from ..scaling import grad_margin
 from ..scaling.role import BUFFERS
 from ..scaling.weight_cache import GRADIENT, KEY

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from .host_weight import OffloadedWeight
 from ..nn.caches import readers_by_weight
-from ..nn.modules import is_dtensor
+from ..nn.sharding import is_dtensor
 from .offload_param import OffloadedParam, owner
 
 # torch optimizers with a fused CPU step: the host step uses it unless fused/foreach are given

@@ -10,7 +10,7 @@ with no rows records 0, as a dense layer given an empty input does), the same wa
 
 Under torch.distributed the records go as the dense layers' do (scaling/role.py): a cast records
 each expert's amax on its own rank (record_locally), and the one MAX all-reduce at the end of the
-backward pass (distributed/amax_reduction.py) folds every rank's records of every expert in,
+backward pass (amax_reduction.py) folds every rank's records of every expert in,
 with the dense layers' records, so that every buffer is identical on every rank between steps.
 An expert that got no tokens on one rank records 0 there, which the MAX leaves out: each expert
 steps as it would in one process that ran the rows of all ranks together. A warm start (nothing
@@ -25,10 +25,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed.amax import all_reduce_amax
 from ..formats import get_format
 from ..ops import emulation
 from ..ops.fused import record_amax
+from .amax_all_reduce import all_reduce_amax
 from .local_records import LocalRecords
 from .recipes import DelayedScaling, current_scale
 from .role import RoleState

@@ -1,7 +1,7 @@
 """LocalRecords: which roles of a delayed-scaling state hold amax records made on this rank only.
 
 Under torch.distributed a cast records its amax on its own rank, and the step's one MAX
-all-reduce (distributed/amax_reduction.py) folds every rank's records in. ScalingState (a dense
+all-reduce (amax_reduction.py) folds every rank's records in. ScalingState (a dense
 layer's) and ExpertScalingState (a grouped layer's, an amax per expert) keep the same account of
 what is still to fold, with this mixin: a role joins the set when it records locally and the set
 empties once the all-reduce has run (or a checkpoint's buffers replace the records). A copy made
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..distributed import amax_reduction
+from . import amax_reduction
 
 
 class LocalRecords:

@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed.amax import all_reduce_amax
 from ..formats import get_format
 from ..ops.fused import record_amax, step_role
+from .amax_all_reduce import all_reduce_amax
 from .recipes import DelayedScaling, current_scale
 
 

@@ -53,7 +53,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
-from ..distributed.world import WORLD, initialized as distributed_initialized
+from .world import WORLD, initialized as distributed_initialized
 
 NO_MARK = None  # no gradient vouches for the entry
 
