@@ -23,6 +23,9 @@ from torch import nn
 import fp8ops
 from fp8ops.nn import step
 
+# small ops only: on a loaded machine a second intra-op thread only waits (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPES = {  # the demo's (examples/train_gpt.py)
     "delayed": lambda: fp8ops.DelayedScaling(),
     "current": lambda: fp8ops.CurrentScaling(),
