@@ -3,10 +3,12 @@ has one (so that an optimizer given only parameters finds the layers that cast a
 CPUOffloadOptimizer), and fp8ops.invalidate(model), every cached cast of a model dropped at once.
 
 The caches: FP8Linear / FP8Conv1D (`fp8_state.weight_cache`), FP8GroupedLinear (`weight_cache`)
-and converted transformers experts (`fp8_weight_caches`, by parameter name). The one write a
-weight cache cannot see is a `p.data` update between two steps of the optimizer that holds the
-weight (docs/numerics.md, "Weight cache"); after one, invalidate() recasts every weight at its
-next forward.
+and converted transformers experts (`fp8_weight_caches`, by parameter name). The writes a
+weight cache cannot see (docs/numerics.md, "Weight cache"): a `p.data` update between two steps
+of the optimizer that holds the weight, and under delayed scaling a hand-written loop's `p.data`
+update where the weight's gradient is a view of a shared buffer zeroed in place between forward
+and backward (warned once per layer); after one, invalidate() recasts every weight at its next
+forward.
 """
 from __future__ import annotations
 
@@ -62,8 +64,17 @@ def weight_caches(model: nn.Module) -> list:
 
 
 def invalidate(model: nn.Module) -> int:
-    """Drop every cached weight cast of `model` (the next forwards cast anew); returns how many
-    caches it reached."""
+    """Drop every cached weight cast of `model` (the next forwards cast anew, and delayed
+    scaling steps its weight roles there); returns how many caches it reached.
+
+    Call it after a change to the weights that no version counter shows and the caches cannot
+    tell otherwise: a write in place through `p.data` (`add_`, `copy_`) between two steps of
+    the optimizer that holds the weights, inside an accumulation window; or, under
+    DelayedScaling, a hand-written loop's `p.data` update where a weight's gradient is a view of
+    a buffer other gradients share (DDP's gradient_as_bucket_view) and is zeroed in place
+    between the forward and the backward (the cache warns once per layer). Hand-written loops
+    otherwise need no call: in either loop order, through `p.data` or a no_grad in-place op,
+    every forward casts the weights anew and delayed scaling steps as in an optimizer's loop."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fp8ops.invalidate takes an nn.Module, got {type(model).__name__}")
     caches = weight_caches(model)

@@ -35,6 +35,17 @@ step, so the scales never depend on whether a cast was reused, and every rank st
 all-reduces alike. Any other new storage (`p.data = ...`) is a new weight, cast from its own
 values, and current scaling always takes the weight's own amax.
 
+A window is one gradient accumulated into: where no optimizer holds the weight, a gradient
+zeroed or replaced between a cast's forward and its backward (a hand-written loop that runs
+zero_grad() after its forward, then updates through `p.data`) shows that the window ended
+before that forward, whose values the update may have changed: its backward vouches for
+nothing, and the next forward starts a window of its own (casts anew; delayed scaling steps).
+The backward compares the gradient it accumulated into with the one the forward saw (`seen`):
+the same tensor, one version on (autograd adds in place). A gradient that is a view of a buffer
+other gradients share (DDP's gradient_as_bucket_view) shares their version counter, so a zero_()
+there cannot be told: the window goes on, warned once per layer, and fp8ops.invalidate() after
+each `p.data` update is the remedy.
+
 Checkpoints, copies and pickles carry no FP8 payload, only the scale of a delayed-scaling cast
 the next forward would reuse (saved_scale); restored, it stands in for the cast until the
 weight's generation moves, so training continues exactly as it would have.
@@ -46,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -99,6 +111,9 @@ class CachedCast(NamedTuple):
     # casts its shard with the scale); consumed: a training forward used it
     gathered: int = 0
     consumed: bool = False
+    # the gradient state the cast's forward saw (grad_mark; NO_MARK: unknown): with no mark yet,
+    # the cast's backward must accumulate into it for its gradient to vouch (grad_accumulated)
+    seen: Any = NO_MARK
 
     @property
     def where(self):
@@ -210,6 +225,14 @@ def _after_backward(cache_ref, param: torch.Tensor, *, queued: bool = False) -> 
         cache.entry = tuple.__new__(CachedCast, (*entry[:7], (ref, g._version), *entry[8:]))
 
 
+_UNSEEN_RESET = (
+    "fp8ops: the gradient of an FP8 layer's weight that no optimizer steps is a view of a buffer "
+    "other gradients share (e.g. DDP's gradient_as_bucket_view), so its version counter cannot "
+    "show whether it was zeroed in place between a forward and its backward. If a hand-written "
+    "loop updates this weight through p.data, call fp8ops.invalidate(model) after each update: "
+    "otherwise DelayedScaling may keep the weight's scale of an earlier step.")
+
+
 # ---------------------------------------------------------------------------------------------
 # the cache
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +264,7 @@ class WeightCache:
         # address while the cast may be reused: `p.data = new` keeps the version counter, and a
         # new storage at the old address would match the key
         self._storage = None
+        self._warned = False  # the warning of _reset_since was given
 
     # -- the rule ------------------------------------------------------------------------------
     @property
@@ -344,15 +368,17 @@ class WeightCache:
         generation = self.generation.value
         # (tuple.__new__: CachedCast(...) without the Python call of its __new__)
         if window is None:
+            g = param.grad  # grad_mark(param): the gradient as this forward sees it
+            seen = (None, -1) if g is None else (weakref.ref(g), g._version)
             self.entry = tuple.__new__(CachedCast, ((where, values), payload, scale, stepped,
                                                     generation, inference, ref, NO_MARK, 0,
-                                                    False))
+                                                    False, seen))
         else:  # a recast inside the window keeps its stepping and its voucher
             # (a restored entry is bound to the gradient as it is now: copied with the checkpoint)
             mark = grad_mark(param) if window.payload is None else window.mark
             self.entry = tuple.__new__(CachedCast, ((where, values), payload, scale,
                                                     window.stepped, generation, inference, ref,
-                                                    mark, 0, False))
+                                                    mark, 0, False, window.seen))
         self._miss = None
         self._storage = weight.untyped_storage()
         hooked, watched = self._hooked, self._watched
@@ -429,7 +455,10 @@ class WeightCache:
     def grad_accumulated(self, param: torch.Tensor) -> None:
         """param's gradient was accumulated: from the FP8 backward of the cached cast, that
         gradient now vouches for the cast; from anywhere else (a call that fell back to the
-        high-precision layer) it vouches for nothing."""
+        high-precision layer) it vouches for nothing. Nor does it when the gradient the cast's
+        forward saw was zeroed or replaced before this backward accumulated into it while no
+        optimizer holds the weight (_reset_since: a hand-written loop's zero_grad() between
+        its forward and backward, its update through p.data unseen)."""
         if not (self._grad_from_cast or self._grad_word[0]):
             return
         self._grad_from_cast = False
@@ -437,6 +466,18 @@ class WeightCache:
         entry = self.entry
         if entry is not None and entry.param is not None and entry.param() is param:
             g = param.grad  # grad_mark(param); the tuple built as _replace would, without its calls
+            # the gradient as the cast's forward saw it, or as its last backward left it; an
+            # accumulation adds into it in place (autograd's +=: one version)
+            before = entry.mark if entry.mark is not NO_MARK else entry.seen
+            if (g is not None and before is not NO_MARK and before[0] is not None
+                    and not (before[0]() is g and g._version == before[1] + 1)):
+                # held(param), inlined (an optimizer's loop that zeroes after its forward comes
+                # here): the optimizer's step ends the window
+                item = _WATCHERS.get(id(param))
+                if not (item is not None and item.holder is not None and item.ref() is param
+                        and item.holder() is not None) and self._reset_since(before, g, entry):
+                    self.entry = tuple.__new__(CachedCast, (*entry[:7], NO_MARK, *entry[8:]))
+                    return
             mark = (None, -1) if g is None else (weakref.ref(g), g._version)
             self.entry = tuple.__new__(CachedCast, (*entry[:7], mark, *entry[8:]))
             if g is not None and (WORLD._default_pg is not None if WORLD is not None
@@ -445,6 +486,28 @@ class WeightCache:
                 # end of this backward pass: the mark follows that write (_after_backward)
                 _ENGINE.queue_callback(functools.partial(_after_backward, weakref.ref(self),
                                                          param))
+
+    def _reset_since(self, before, g: torch.Tensor, entry: CachedCast) -> bool:
+        """Whether the gradient `before` (a grad_mark) was zeroed or replaced before the
+        accumulation that made g, where that ends the cast's window (no optimizer holds the
+        weight): the zero_grad() of a hand-written loop that runs it between the forward and the
+        backward (its next forward must start a window of its own, or delayed scaling would
+        never step the weight role again). Not where the values change with the generation
+        alone (an offloaded master, a gathered weight).
+        A gradient that is a view of a buffer other gradients share (DDP's
+        gradient_as_bucket_view) shares their version counter: no count tells an in-place
+        zero_() there, and the same tensor is taken to continue (warned once where that may
+        leave a p.data update unseen: a delayed-scaling weight)."""
+        if self.host is not None or (self.source is not None and self.source() is not None):
+            return False
+        if before[0]() is not g:
+            return True  # set to None, or replaced (zero_grad(), p.grad = ...)
+        if g._base is None:
+            return True  # written in place since (zero_grad(set_to_none=False), grad.zero_())
+        if entry.stepped and not self._warned:
+            self._warned = True  # (once per layer)
+            warnings.warn(_UNSEEN_RESET, stacklevel=2)
+        return False
 
     @property
     def trust(self) -> int:
