@@ -175,3 +175,30 @@ def test_a_view_gradient_zeroed_in_place_warns_once():
         fp8ops.invalidate(layer)
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert int(layer.fp8_state.weight.step) == 4
+
+
+def test_ddp_bucket_view_gradients_do_not_warn(tmp_path):
+    """Under DDP with gradient_as_bucket_view every gradient is a view of a bucket: the first
+    accumulation window, before the optimizer's first step, looks like the ambiguous case above,
+    but a DDP run steps an optimizer, so no warning."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = fp8ops.convert_to_fp8(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
+                                                    nn.Linear(64, 1)),
+                                      fp8ops.DelayedScaling(), fallback="never")
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        x, _ = _data()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                for micro in x.chunk(2):
+                    ddp(micro).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        print([int(layer.fp8_state.weight.step) for layer in _fp8_layers(model)])
+        assert all(int(layer.fp8_state.weight.step) == 3 for layer in _fp8_layers(model))
+    finally:
+        dist.destroy_process_group()

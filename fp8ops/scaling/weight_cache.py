@@ -497,14 +497,20 @@ class WeightCache:
         A gradient that is a view of a buffer other gradients share (DDP's
         gradient_as_bucket_view) shares their version counter: no count tells an in-place
         zero_() there, and the same tensor is taken to continue (warned once where that may
-        leave a p.data update unseen: a delayed-scaling weight)."""
+        leave a p.data update unseen: a delayed-scaling weight in one process; under
+        torch.distributed the buffer is DDP's, whose runs step an optimizer)."""
         if self.host is not None or (self.source is not None and self.source() is not None):
             return False
         if before[0]() is not g:
             return True  # set to None, or replaced (zero_grad(), p.grad = ...)
         if g._base is None:
             return True  # written in place since (zero_grad(set_to_none=False), grad.zero_())
-        if entry.stepped and not self._warned:
+        # Under torch.distributed the view is DDP's bucket, and a training loop there steps an
+        # optimizer (whose first step ends this ambiguity): no warning for every DDP run's
+        # first window; docs/numerics.md asks hand loops under DDP to call invalidate().
+        if entry.stepped and not self._warned and not (
+                WORLD._default_pg is not None if WORLD is not None
+                else distributed_initialized()):
             self._warned = True  # (once per layer)
             warnings.warn(_UNSEEN_RESET, stacklevel=2)
         return False
