@@ -64,6 +64,15 @@ inline void save_common(AutogradContext* ctx, const at::Tensor& x, const at::Ten
   d["b_dtype"] = bias.has_value() ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
 }
 
+// What a step Function saves of the weight: the weight itself where dgrad reads it (x takes a
+// gradient), as nn.Linear saves it, else nothing. The backward reads only the casts; unpacking
+// the weight makes autograd check its version, so a write to it between the forward and the
+// backward (an optimizer step) raises autograd's error, as on the Python path. A saved parameter
+// is the parameter itself (no copy); under saved-tensor hooks it is packed as the Python path's.
+inline at::Tensor saved_weight(const at::Tensor& x, const at::Tensor& weight) {
+  return x.requires_grad() ? weight : at::Tensor();
+}
+
 // A step Function's outputs: y, then the weight cast w when the forward made it (for the
 // layer's cache; nothing to differentiate)
 inline variable_list with_cast(AutogradContext* ctx, const at::Tensor& y, const Tensors& w,
