@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <optional>
 #include <tuple>
@@ -116,8 +117,12 @@ Outputs block_step(bool autograd, const at::Tensor& x, const at::Tensor& weight,
 }
 
 // The gradient about to be accumulated comes from the layer's weight cast: its weight cache may
-// take it as that cast's voucher (a host word the cache's gradient hook reads)
-inline void vouch(const at::Tensor& grad_word) { grad_word.data_ptr<int64_t>()[0] = 1; }
+// take it as that cast's voucher (a host word the cache's gradient hook reads) when this backward
+// pass accumulates it (the word names the pass: its graph task id + 1, as
+// WeightCache.expect_grad writes on the Python path)
+inline void vouch(const at::Tensor& grad_word) {
+  grad_word.data_ptr<int64_t>()[0] = torch::autograd::get_current_graph_task_id() + 1;
+}
 
 // The sums over the rows of x [rows, cols] in float32, rounded to dtype (a bias gradient; as
 // fp8ops/ops/fused.py's column_sums)

@@ -230,7 +230,9 @@ class WeightCache:
         self.host = None
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self._watched = None  # weakref to the parameter the last cast watched
-        self._grad_from_cast = False  # the next gradient accumulation vouches (expect_grad)
+        # the backward pass whose gradient accumulation vouches (expect_grad): its autograd
+        # graph task id + 1, 0 for none
+        self._grad_from_cast = 0
         # the same, set by a backward in C++ (csrc/step): a host word, read through numpy
         self.grad_word = torch.zeros(1, dtype=torch.int64, device="cpu")
         self._grad_word = self.grad_word.numpy()
@@ -280,7 +282,7 @@ class WeightCache:
                   weight.dtype, tuple(weight.shape), weight.stride(), weight.device)
         entry = self.entry
         generation = self.generation.value
-        self._grad_from_cast = False  # (a backward whose gradient was never accumulated)
+        self._grad_from_cast = 0  # (a backward whose gradient was never accumulated)
         self._grad_word[0] = 0
         if self._vouched == generation:
             trust = KEY
@@ -422,17 +424,21 @@ class WeightCache:
 
     def expect_grad(self) -> None:
         """Called by an FP8 backward that computed the weight's gradient from the cached cast:
-        the accumulation that follows vouches for that cast (eager mode only). A backward in
-        C++ sets grad_word[0] to 1 instead (a CPU int64 tensor it is given)."""
-        self._grad_from_cast = True
+        the accumulation that follows in the same backward pass vouches for that cast (eager
+        mode only). A pass that accumulates none (torch.autograd.grad, backward(inputs=...)
+        without the weight) leaves nothing for a later one. A backward in C++ sets grad_word[0]
+        instead (a CPU int64 tensor it is given), to the same value: the pass's autograd graph
+        task id + 1."""
+        self._grad_from_cast = torch._C._current_graph_task_id() + 1
 
     def grad_accumulated(self, param: torch.Tensor) -> None:
         """param's gradient was accumulated: from the FP8 backward of the cached cast, that
         gradient now vouches for the cast; from anywhere else (a call that fell back to the
-        high-precision layer) it vouches for nothing."""
-        if not (self._grad_from_cast or self._grad_word[0]):
+        high-precision layer, an FP8 backward of an earlier pass) it vouches for nothing."""
+        task = torch._C._current_graph_task_id() + 1  # (0: outside a backward pass)
+        if task == 0 or task not in (self._grad_from_cast, self._grad_word[0]):
             return
-        self._grad_from_cast = False
+        self._grad_from_cast = 0
         self._grad_word[0] = 0
         entry = self.entry
         if entry is not None and entry.param is not None and entry.param() is param:
