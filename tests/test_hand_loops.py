@@ -198,7 +198,6 @@ def test_ddp_bucket_view_gradients_do_not_warn(tmp_path):
                     ddp(micro).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
-        print([int(layer.fp8_state.weight.step) for layer in _fp8_layers(model)])
         assert all(int(layer.fp8_state.weight.step) == 3 for layer in _fp8_layers(model))
     finally:
         dist.destroy_process_group()

@@ -3,6 +3,7 @@ same bytes as the Python path (FP8Linear.cpp_step = False) in every case it serv
 gradients, parameters after optimizer steps, and the FP8 state."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
@@ -14,6 +15,7 @@ import torch
 
 import fp8ops
 from fp8ops.nn import step
+from fp8ops.scaling import weight_cache
 
 pytestmark = pytest.mark.skipif(not step.available(), reason="fp8ops._step is not built")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,7 +186,7 @@ def test_autocast_equals_the_python_path():
     assert _took_step(fast)
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_inputs_and_parameters_without_grad(recipe):
     """Only the gradients autograd asks for: a frozen weight, a frozen bias, an input without
     grad; and no_grad / inference-mode forwards."""
@@ -209,10 +211,10 @@ def test_inputs_and_parameters_without_grad(recipe):
     with torch.inference_mode():
         _same([fast(x)], [ref(x)])
     # (delayed scaling leaves forwards without grad to the Python path: step.py says why)
-    assert _took_step(fast) == (recipe != "delayed")
+    assert _took_step(fast) == (not recipe.startswith("delayed"))
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_no_tokens_and_many_dims(recipe):
     fast, ref = _pair(RECIPES[recipe]())
     for shape in [(0, 96), (2, 0, 96), (2, 3, 4, 96)]:
@@ -233,14 +235,361 @@ def test_bad_input_takes_the_python_path_and_its_error():
         layer(torch.ones(4, 96, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_double_backward_raises(recipe):
-    layer, _ = _pair(RECIPES[recipe]())
+    """On both paths: the first-order gradients (alike), then the error differentiating them."""
+    fast, ref = _pair(RECIPES[recipe]())
+    firsts = []
+    for layer in (fast, ref):
+        torch.manual_seed(1)
+        x = torch.randn(8, 96, requires_grad=True)
+        gx, gw = torch.autograd.grad(layer(x).pow(2).sum(), (x, layer.weight),
+                                     create_graph=True)
+        firsts.append([gx.detach(), gw.detach()])
+        with pytest.raises(RuntimeError, match="does not support double backward"):
+            (gx.sum() + gw.sum()).backward()
+    _same(*firsts)
+    assert _took_step(fast)
+
+
+# -- autograd's contract, alike on both paths and as nn.Linear keeps it ---------------------------
+def _outcome(run, layer):
+    """(what run(layer) returned, None), or (None, the error it raised), from a fixed random
+    stream."""
+    torch.manual_seed(1)
+    try:
+        return run(layer), None
+    except RuntimeError as e:
+        return None, e
+
+
+def _alike(run, fast, ref):
+    """run on both paths: the same bytes, or the same kind of error; (result, error)."""
+    (a, err_a), (b, err_b) = _outcome(run, fast), _outcome(run, ref)
+    assert (err_a is None) == (err_b is None), (err_a, err_b)
+    if err_a is None:
+        _same(a, b)
+    else:
+        assert type(err_a) is type(err_b)
+        assert str(err_a).split(":")[0] == str(err_b).split(":")[0], (err_a, err_b)
+    assert _took_step(fast) and not _took_step(ref)
+    return a, err_a
+
+
+def _grads(*tensors):
+    return [t.grad for t in tensors if t is not None and t.grad is not None]
+
+
+def _plain_twin(layer) -> torch.nn.Linear:
+    """An nn.Linear with layer's parameters (copies): the behaviour both paths keep."""
+    plain = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if k in ("weight", "bias")})
+    return plain
+
+
+# a write to a parameter between a forward and its backward: (input shape, whether the input
+# takes a gradient, the write, whether nn.Linear's backward raises autograd's version error:
+# it saves the weight where the input gradient needs it, never the bias)
+WRITES = {
+    "optimizer step": ((8, 96), True, "step", True),
+    "3-D input": ((2, 4, 96), True, "step", True),
+    "no tokens": ((0, 96), True, "step", True),
+    "input without grad": ((8, 96), False, "step", False),
+    "frozen weight": ((8, 96), True, "weight", True),
+    "write under no_grad": ((8, 96), True, "weight", True),
+    "bias only": ((8, 96), True, "bias", False),
+    "through .data": ((8, 96), True, "data", False),  # (no version moves: nothing can tell)
+}
+
+
+def _write_between(case):
+    shape, input_grad, write, _ = WRITES[case]
+
+    def run(layer):
+        if case == "frozen weight":
+            layer.weight.requires_grad_(False)
+        x = torch.randn(shape, requires_grad=input_grad)
+        opt = torch.optim.SGD([p for p in layer.parameters() if p.requires_grad], lr=0.1)
+        layer(x).sum().backward()  # (gradients for the step)
+        y = layer(x)
+        if write == "step":
+            opt.step()
+        elif write == "data":
+            layer.weight.data.mul_(0.5)
+        else:
+            with torch.no_grad():
+                getattr(layer, write).mul_(0.5)
+        y.sum().backward()
+        return [y.detach(), *_grads(x, layer.weight, layer.bias)]
+    return run
+
+
+@pytest.mark.parametrize("case", sorted(WRITES))
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_parameter_write_before_backward_as_nn_linear(recipe, case):
+    """An optimizer step (or any in-place write) between a forward and its backward raises
+    autograd's version error on both paths where nn.Linear raises it (the weight saved, its
+    version checked: no copy of it kept), and nowhere else (then the same gradients)."""
+    fast, ref = _pair(RECIPES[recipe]())
+    run = _write_between(case)
+    raises = WRITES[case][3]
+    assert (_outcome(run, _plain_twin(fast))[1] is not None) == raises  # nn.Linear's rule
+    _, err = _alike(run, fast, ref)
+    assert (err is not None) == raises, err
+    if raises:
+        assert "modified by an inplace operation" in str(err)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_weight_write_inside_a_checkpoint(recipe, reentrant):
+    """Under activation checkpointing the recompute in backward reads the weight as it is then
+    (autograd checks no version through the checkpoint's saved-tensor hooks, nor for
+    nn.Linear): both paths recompute alike and raise nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(layer):
+        x = torch.randn(8, 96, requires_grad=True)
+        y = checkpoint(layer, x, use_reentrant=reentrant)
+        with torch.no_grad():
+            layer.weight.mul_(0.5)
+        y.pow(2).sum().backward()
+        return [y.detach(), *_grads(x, layer.weight, layer.bias)]
+
+    fast, ref = _pair(RECIPES[recipe]())
+    assert _outcome(run, _plain_twin(fast))[1] is None
+    _, err = _alike(run, fast, ref)
+    assert err is None
+    _same_state(fast, ref)
+
+
+class _Packed:
+    """The tensors saved for backward inside (saved_tensors_hooks), as they are."""
+
+    def __enter__(self):
+        self.tensors = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def _pack(self, t):
+        self.tensors.append(t)
+        return t
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_saved_tensor_hooks_see_what_the_python_path_saves(recipe):
+    """Saved-tensor hooks see the same tensors on both paths: the FP8 casts and, where the
+    input takes a gradient, the weight parameter itself (no cast or copy of it; the bias never),
+    inside fp8ops.fp8_activations too. A version check is autograd's to skip under hooks."""
+    fast, ref = _pair(RECIPES[recipe]())
+    for input_grad in (True, False):
+        for context in (contextlib.nullcontext, fp8ops.fp8_activations):
+            seen = []
+            for layer in (fast, ref):
+                x = torch.randn(8, 96, requires_grad=input_grad)
+                with _Packed() as packed, context():
+                    y = layer(x)
+                weights = [t for t in packed.tensors if t is layer.weight]
+                assert len(weights) == input_grad, (input_grad, context)
+                assert not any(t is layer.bias for t in packed.tensors)
+                seen.append([(t.dtype, t.shape) for t in packed.tensors])
+                y.sum().backward()
+            assert seen[0] == seen[1], (input_grad, context)
+    assert _took_step(fast)
+
+
+class _DropGrad(torch.autograd.Function):
+    """y unchanged; its backward gives no gradient (None) to what came before."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return None
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_an_undefined_output_gradient_leaves_everything_as_it_was(recipe):
+    """The layer's output gets no gradient (None): no gradient for the input, weight or bias,
+    as nn.Linear gives none, and the backward changes no FP8 state (no grad-role step under
+    delayed scaling; the weight's gradient from elsewhere does not vouch for the layer's
+    cast)."""
+    def run(layer):
+        x = torch.randn(8, 96, requires_grad=True)
+        layer(x).sum().backward()  # (the delayed roles have started)
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(8, 96, requires_grad=True)
+        y = _DropGrad.apply(layer(x))
+        before = [t.clone() for t in layer.fp8_state.state_dict().values()]
+        # the weight takes a gradient from another use only: accumulated, it vouches for
+        # nothing
+        (y.sum() + layer.weight.sum()).backward()
+        assert x.grad is None and layer.bias.grad is None
+        assert torch.equal(layer.weight.grad, torch.ones_like(layer.weight))
+        assert layer.fp8_state.weight_cache.entry.mark is weight_cache.NO_MARK
+        after = list(layer.fp8_state.state_dict().values())
+        _same(after, before)
+        return after
+
+    fast, ref = _pair(RECIPES[recipe]())
+    plain = _plain_twin(fast)
     x = torch.randn(8, 96, requires_grad=True)
-    (gx,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
-    assert _took_step(layer)
-    with pytest.raises(RuntimeError, match="does not support double backward"):
-        gx.sum().backward()
+    (_DropGrad.apply(plain(x)).sum() + plain.weight.sum()).backward()
+    assert x.grad is None and plain.bias.grad is None
+    _alike(run, fast, ref)
+    _same_state(fast, ref)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_outputs_are_contiguous_in_every_grad_mode(recipe):
+    """Sizes no block divides (out_features 40 pads to MXFP8's 32-blocks, in_features 100 to
+    the blockwise 128): the output is a contiguous tensor of its own, not a view of the padded
+    GEMM result, with and without grad and under inference mode, on both paths."""
+    fast, ref = _pair(RECIPES[recipe](), k=100, n=40)
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        for shape in ((7, 100), (2, 3, 100), (0, 100)):
+            outs = []
+            for layer in (fast, ref):
+                torch.manual_seed(1)
+                with mode():
+                    y = layer(torch.randn(shape, requires_grad=mode is torch.enable_grad))
+                assert y.shape == (*shape[:-1], 40)
+                assert y.is_contiguous() and not y._is_view(), (mode, shape, y.stride())
+                outs.append(y.detach().clone())
+            _same(*outs)
+    assert _took_step(fast)
+
+
+@pytest.mark.parametrize("n", [40, 64])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_an_in_place_op_on_the_output(recipe, n):
+    """The output is no view autograd guards (a padded GEMM result's slice included): an
+    in-place op on it, then backward, as nn.Linear allows; and in every grad mode."""
+    def run(layer):
+        out = []
+        for shape in ((8, 96), (2, 4, 96)):
+            x = torch.randn(shape, requires_grad=True)
+            y = layer(x)
+            y.mul_(2)
+            y.pow(2).sum().backward()
+            out += [y.detach(), x.grad]
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                y = layer(torch.randn(8, 96))
+                y.add_(1)
+            out.append(y.clone())
+        return out + _grads(layer.weight, layer.bias)
+
+    fast, ref = _pair(RECIPES[recipe](), n=n)
+    _alike(run, fast, ref)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_second_backward_of_one_graph(recipe):
+    """retain_graph: a second backward gives the same gradients again (accumulated) and, under
+    delayed scaling, steps the grad role again on both paths; once freed, the graph refuses a
+    third with autograd's error."""
+    def run(layer):
+        x = torch.randn(8, 96, requires_grad=True)
+        y = layer(x)
+        out = []
+        for _ in range(2):
+            y.pow(2).sum().backward(retain_graph=True)
+            out += [g.clone() for g in _grads(x, layer.weight, layer.bias)]
+        y.sum().backward()
+        out += [g.clone() for g in _grads(x, layer.weight, layer.bias)]
+        out += list(layer.fp8_state.state_dict().values())
+        y.sum().backward()  # freed
+        return out
+
+    fast, ref = _pair(RECIPES[recipe]())
+    _, err = _alike(run, fast, ref)
+    assert "backward through the graph a second time" in str(err)
+    _same_state(fast, ref)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_output_gradients_of_any_layout(recipe):
+    """dY expanded (y.sum()), transposed, a strided slice, and under autocast a float32 loss
+    over the bfloat16 output: the same gradients on both paths."""
+    def run(layer):
+        out = []
+        x = torch.randn(8, 96, requires_grad=True)
+        dys = [torch.ones(1, 80).expand(8, 80), torch.randn(80, 8).t(),
+               torch.randn(8, 160)[:, ::2]]
+        for dy in dys:
+            y = layer(x)
+            y.backward(dy)
+            out += [y.detach()] + _grads(x, layer.weight, layer.bias)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().pow(2).sum().backward()
+        out += [y.detach()] + _grads(x, layer.weight, layer.bias)
+        return out
+
+    fast, ref = _pair(RECIPES[recipe]())
+    _alike(run, fast, ref)
+    _same_state(fast, ref)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_strided_inputs(recipe):
+    """Inputs that are no contiguous block: a strided slice, a transposed tensor, a permuted
+    3-D one."""
+    def run(layer):
+        out = []
+        for x in (torch.randn(8, 192)[:, ::2], torch.randn(96, 8).t(),
+                  torch.randn(4, 96, 3).permute(0, 2, 1)):
+            x.requires_grad_(True)
+            y = layer(x)
+            y.pow(2).sum().backward()
+            out += [y.detach(), x.grad]
+        return out + _grads(layer.weight, layer.bias)
+
+    fast, ref = _pair(RECIPES[recipe]())
+    _alike(run, fast, ref)
+    _same_state(fast, ref)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_gradients_for_some_inputs_only(recipe):
+    """torch.autograd.grad for the input, the weight or the bias alone, and backward(inputs=):
+    the same gradients and FP8 state on both paths. Only a weight gradient the backward pass
+    accumulates vouches for the layer's cast: one it computed without accumulating (or did not
+    compute) leaves a gradient the weight takes later, from elsewhere, vouching for nothing."""
+    def vouched(layer) -> bool:
+        return layer.fp8_state.weight_cache.entry.mark is not weight_cache.NO_MARK
+
+    def run(layer):
+        out = []
+        x = torch.randn(8, 96, requires_grad=True)
+        layer(x).pow(2).sum().backward()
+        assert vouched(layer)  # (a whole backward: its accumulation vouches)
+        out += _grads(x, layer.weight, layer.bias)
+        for wrt in ("input", "weight", "bias", "inputs="):
+            layer.zero_grad(set_to_none=True)
+            x = torch.randn(8, 96, requires_grad=True)
+            y = layer(x)
+            if wrt == "inputs=":
+                y.pow(2).sum().backward(inputs=[x, layer.bias])
+                out += _grads(x, layer.weight, layer.bias)
+            else:
+                target = {"input": x, "weight": layer.weight, "bias": layer.bias}[wrt]
+                out += torch.autograd.grad(y.pow(2).sum(), target)
+            assert layer.weight.grad is None
+            (layer.weight * 2).sum().backward()  # the weight's gradient, from elsewhere
+            assert not vouched(layer), wrt
+        return out + list(layer.fp8_state.state_dict().values())
+
+    fast, ref = _pair(RECIPES[recipe]())
+    _alike(run, fast, ref)
+    _same_state(fast, ref)
 
 
 def test_which_calls_take_it():

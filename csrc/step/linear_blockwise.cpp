@@ -77,7 +77,7 @@ struct LinearBlockwise : public torch::autograd::Function<LinearBlockwise> {
     ctx->set_materialize_grads(false);  // no zeros for the weight cast's outputs (no gradient)
     auto [y, xt_data, xt_scale_inv, w] =
         fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
-    ctx->save_for_backward({xt_data, xt_scale_inv, w[2], w[1].t()});
+    ctx->save_for_backward({xt_data, xt_scale_inv, w[2], w[1].t(), saved_weight(x, weight)});
     auto& d = ctx->saved_data;
     save_common(ctx, x, weight, bias, c.grad_word);
     d["bwd"] = static_cast<int64_t>(c.bwd);

@@ -97,7 +97,7 @@ struct LinearMX : public torch::autograd::Function<LinearMX> {
                                at::ScalarType out_dtype) {
     ctx->set_materialize_grads(false);  // no zeros for the weight cast's outputs (no gradient)
     auto [y, xc_t, xc_t_scales, w] = fp8ops_step::forward(x, weight, bias, cached, c, out_dtype);
-    ctx->save_for_backward({xc_t, xc_t_scales, w[2], w[3]});
+    ctx->save_for_backward({xc_t, xc_t_scales, w[2], w[3], saved_weight(x, weight)});
     auto& d = ctx->saved_data;
     save_common(ctx, x, weight, bias, c.grad_word);
     d["bwd"] = static_cast<int64_t>(c.bwd);

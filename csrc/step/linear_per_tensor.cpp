@@ -124,7 +124,7 @@ struct LinearPerTensor : public torch::autograd::Function<LinearPerTensor> {
     ctx->set_materialize_grads(false);  // no zeros for the weight cast's outputs (no gradient)
     auto [y, xq_t, x_scale_inv, w] =
         fp8ops_step::forward(x, weight, bias, w_data, w_data_t, w_scale_inv, w_scale, s, out_dtype);
-    ctx->save_for_backward({xq_t, w[1], x_scale_inv, w[2]});
+    ctx->save_for_backward({xq_t, w[1], x_scale_inv, w[2], saved_weight(x, weight)});
     auto& d = ctx->saved_data;
     save_common(ctx, x, weight, bias, s.grad_word);
     d["recording_word"] = s.recording_word;

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <optional>
 #include <tuple>
@@ -64,6 +65,15 @@ inline void save_common(AutogradContext* ctx, const at::Tensor& x, const at::Ten
   d["b_dtype"] = bias.has_value() ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
 }
 
+// What a step Function saves of the weight: the weight itself where dgrad reads it (x takes a
+// gradient), as nn.Linear saves it, else nothing. The backward reads only the casts; unpacking
+// the weight makes autograd check its version, so a write to it between the forward and the
+// backward (an optimizer step) raises autograd's error, as on the Python path. A saved parameter
+// is the parameter itself (no copy); under saved-tensor hooks it is packed as the Python path's.
+inline at::Tensor saved_weight(const at::Tensor& x, const at::Tensor& weight) {
+  return x.requires_grad() ? weight : at::Tensor();
+}
+
 // A step Function's outputs: y, then the weight cast w when the forward made it (for the
 // layer's cache; nothing to differentiate)
 inline variable_list with_cast(AutogradContext* ctx, const at::Tensor& y, const Tensors& w,
@@ -107,8 +117,12 @@ Outputs block_step(bool autograd, const at::Tensor& x, const at::Tensor& weight,
 }
 
 // The gradient about to be accumulated comes from the layer's weight cast: its weight cache may
-// take it as that cast's voucher (a host word the cache's gradient hook reads)
-inline void vouch(const at::Tensor& grad_word) { grad_word.data_ptr<int64_t>()[0] = 1; }
+// take it as that cast's voucher (a host word the cache's gradient hook reads) when this backward
+// pass accumulates it (the word names the pass: its graph task id + 1, as
+// WeightCache.expect_grad writes on the Python path)
+inline void vouch(const at::Tensor& grad_word) {
+  grad_word.data_ptr<int64_t>()[0] = torch::autograd::get_current_graph_task_id() + 1;
+}
 
 // The sums over the rows of x [rows, cols] in float32, rounded to dtype (a bias gradient; as
 // fp8ops/ops/fused.py's column_sums)

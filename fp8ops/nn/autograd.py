@@ -96,28 +96,40 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, quantizer, x_cast, w_cast, state, out_dtype):
+        # an undefined dY stays None (backward); ctx.set_materialize_grads(False) without its
+        # Python call
+        ctx.materialize_grads = False
         ctx.sampled = cast_stats.sampling(state)
         if ctx.sampled:  # (the cast has recorded its amax already)
             cast_stats.observe(state, "input", quantizer.input_stats(x2, x_cast))
         shape = (x2.shape[0], x2.shape[1], weight.shape[0])  # M, K, N
         y = quantizer.forward(x_cast, w_cast, bias, out_dtype, shape)
-        ctx.save_for_backward(*quantizer.saved(x_cast, w_cast), weight, bias)
+        # The backward reads the casts. The weight is saved where dgrad reads it (x2 takes a
+        # gradient), as nn.Linear saves it: a write to it before the backward (an optimizer
+        # step) raises autograd's version error there, as on the C++ step. The bias is not
+        # saved (only its dtype is read), as nn.Linear does not save it.
+        ctx.save_for_backward(*quantizer.saved(x_cast, w_cast),
+                              weight if x2.requires_grad else None)
         ctx.quantizer, ctx.state, ctx.x_dtype, ctx.shape = quantizer, state, x2.dtype, shape
+        ctx.weight = weight  # (its main_grad and dtype: what the backward reads of it)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.grad_warm = quantizer.grad_warm(state)
         return y
 
     @staticmethod
     @first_order_only
     def backward(ctx, dy):
-        *saved, weight, bias = ctx.saved_tensors
-        quantizer, state, shape = ctx.quantizer, ctx.state, ctx.shape
+        if dy is None:  # y took no part in the loss: no gradients and no state change, as
+            return (None,) * 8  # nn.Linear and the C++ step
+        saved = ctx.saved_tensors[:-1]  # (unpacking checks the saved weight's version)
+        weight, quantizer, state, shape = ctx.weight, ctx.quantizer, ctx.state, ctx.shape
         dy2 = dy.contiguous()
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if state is not None:
             state.follow_stream(dy2.device)
             if not torch.compiler.is_compiling():  # (a compiled layer's weight is never one
                 state.weight_cache.release()       # FSDP2 gathered in FP8)
-        sum_dtype = bias.dtype if bias is not None and need_db else None
+        sum_dtype = ctx.bias_dtype if need_db else None
         g, db = quantizer.cast_grad(dy2, state, ctx.grad_warm, need_dx, need_dw, sum_dtype)
         if ctx.sampled:
             stats = quantizer.grad_stats(dy2, g, need_dx, need_dw)
@@ -149,14 +161,14 @@ def pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 
 def is_gathered(weight: torch.Tensor) -> bool:
-    """A weight FSDP2 gathered in FP8 (distributed/fsdp.py: FP8GatheredWeight)."""
+    """A weight FSDP2 gathered in FP8 (distributed/fsdp/weights.py: FP8GatheredWeight)."""
     return hasattr(weight, "fp8_payload")
 
 
 def cached_weight_cast(weight, state: Optional[ScalingState], cast, live: bool = False):
     """The FP8 weight: cast once per accumulation window when there is a state, else every
     call. cast(w, step, scale) -> (payload, scale used): see weight_cache.Cast. A weight FSDP2
-    gathered in FP8 (distributed/fsdp.py) carries its payload: nothing to cast. Runs without
+    gathered in FP8 (distributed/fsdp/) carries its payload: nothing to cast. Runs without
     grad (set directly in eager mode: torch.no_grad() costs a context object per call)."""
     if torch.compiler.is_compiling():
         with torch.no_grad():

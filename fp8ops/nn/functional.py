@@ -83,15 +83,16 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def _unflatten(y: torch.Tensor, shape: tuple) -> torch.Tensor:
     """The GEMM's [rows, out] result y in the output's shape, as a tensor of its own rather than
     a view (reshape would give a view: FSDP2 warns about a module output that is one, since an
-    in-place op on it would skip FSDP2's pre-backward hook). A 2-D input gives y itself, as
-    nn.Linear does, unless y is a view (a slice of a padded GEMM result); any other case takes
-    aten's _unsafe_view, which torch.matmul and reshape use for a fresh result in the same way:
-    no copy (unless y is a non-contiguous slice), and y and its base are held by nothing else
-    (autograd saves the FP8 operands, not the result), so an in-place op on the returned tensor
-    cannot corrupt anything. Under torch.compile, which cannot ask whether a tensor is a view,
-    every shape takes _unsafe_view (metadata only in a graph)."""
+    in-place op on it would skip FSDP2's pre-backward hook), contiguous in every grad mode as
+    nn.Linear's. A 2-D input gives y itself, as nn.Linear does, unless y is a view or not
+    contiguous (a slice of a padded GEMM result: under inference mode no view is recorded);
+    any other case takes aten's _unsafe_view, which torch.matmul and reshape use for a fresh
+    result in the same way: no copy (unless y is a non-contiguous slice), and y and its base are
+    held by nothing else (autograd saves the FP8 operands, not the result), so an in-place op on
+    the returned tensor cannot corrupt anything. Under torch.compile, which cannot ask whether a
+    tensor is a view, every shape takes _unsafe_view (metadata only in a graph)."""
     if (tuple(y.shape) == shape and not torch.compiler.is_compiling()
-            and not y._is_view()):
+            and not y._is_view() and y.is_contiguous()):
         return y
     return torch.ops.aten._unsafe_view(y.contiguous(), shape)
 

@@ -50,7 +50,7 @@ Checkpoints, copies and pickles carry no FP8 payload, only the scale of a delaye
 the next forward would reuse (saved_scale); restored, it stands in for the cast until the
 weight's generation moves, so training continues exactly as it would have.
 
-Under FSDP2's FP8 all-gather (distributed/fsdp.py) the cache holds no payload but the scale
+Under FSDP2's FP8 all-gather (distributed/fsdp/) the cache holds no payload but the scale
 decided for the window (store_decision): every gather casts its shard with it.
 """
 from __future__ import annotations
@@ -253,7 +253,9 @@ class WeightCache:
         self.host = None
         self._hooked = None  # (weakref to the parameter, hook handle) of the gradient voucher
         self._watched = None  # weakref to the parameter the last cast watched
-        self._grad_from_cast = False  # the next gradient accumulation vouches (expect_grad)
+        # the backward pass whose gradient accumulation vouches (expect_grad): its autograd
+        # graph task id + 1, 0 for none
+        self._grad_from_cast = 0
         # the same, set by a backward in C++ (csrc/step): a host word, read through numpy
         self.grad_word = torch.zeros(1, dtype=torch.int64, device="cpu")
         self._grad_word = self.grad_word.numpy()
@@ -304,7 +306,7 @@ class WeightCache:
                   weight.dtype, tuple(weight.shape), weight.stride(), weight.device)
         entry = self.entry
         generation = self.generation.value
-        self._grad_from_cast = False  # (a backward whose gradient was never accumulated)
+        self._grad_from_cast = 0  # (a backward whose gradient was never accumulated)
         self._grad_word[0] = 0
         if self._vouched == generation:
             trust = KEY
@@ -448,20 +450,25 @@ class WeightCache:
 
     def expect_grad(self) -> None:
         """Called by an FP8 backward that computed the weight's gradient from the cached cast:
-        the accumulation that follows vouches for that cast (eager mode only). A backward in
-        C++ sets grad_word[0] to 1 instead (a CPU int64 tensor it is given)."""
-        self._grad_from_cast = True
+        the accumulation that follows in the same backward pass vouches for that cast (eager
+        mode only). A pass that accumulates none (torch.autograd.grad, backward(inputs=...)
+        without the weight) leaves nothing for a later one. A backward in C++ sets grad_word[0]
+        instead (a CPU int64 tensor it is given), to the same value: the pass's autograd graph
+        task id + 1."""
+        self._grad_from_cast = torch._C._current_graph_task_id() + 1
 
     def grad_accumulated(self, param: torch.Tensor) -> None:
         """param's gradient was accumulated: from the FP8 backward of the cached cast, that
         gradient now vouches for the cast; from anywhere else (a call that fell back to the
-        high-precision layer) it vouches for nothing. Nor does it when the gradient the cast's
-        forward saw was zeroed or replaced before this backward accumulated into it while no
-        optimizer holds the weight (_reset_since: a hand-written loop's zero_grad() between
-        its forward and backward, its update through p.data unseen)."""
-        if not (self._grad_from_cast or self._grad_word[0]):
+        high-precision layer, an FP8 backward of an earlier pass) it vouches for nothing. Nor
+        does it when the gradient the cast's forward saw was zeroed or replaced before this
+        backward accumulated into it while no optimizer holds the weight (_reset_since: a
+        hand-written loop's zero_grad() between its forward and backward, its update through
+        p.data unseen)."""
+        task = torch._C._current_graph_task_id() + 1  # (0: outside a backward pass)
+        if task == 0 or task not in (self._grad_from_cast, self._grad_word[0]):
             return
-        self._grad_from_cast = False
+        self._grad_from_cast = 0
         self._grad_word[0] = 0
         entry = self.entry
         if entry is not None and entry.param is not None and entry.param() is param:
@@ -616,7 +623,7 @@ class WeightCache:
                 # that calls it: without this, the next forward's hook would never run
                 tensor._post_accumulate_grad_hooks = None
 
-    # -- FSDP2's FP8 all-gather (distributed/fsdp.py) ------------------------------------------
+    # -- FSDP2's FP8 all-gather (distributed/fsdp/) ------------------------------------------
     def store_decision(self, scale: torch.Tensor, *, stepped: bool, number: int) -> None:
         """A per-tensor scale decided for the window's gathers (number > 0 identifies it)."""
         self.entry = CachedCast(None, None, scale, stepped, self.generation.value,
