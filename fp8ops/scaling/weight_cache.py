@@ -210,8 +210,10 @@ def _after_backward(cache_ref, param: torch.Tensor, *, queued: bool = False) -> 
     param's gradient (a callback of the autograd engine): queued once more, so that it runs
     after the callbacks queued during the pass (DDP's reducer, which writes the all-reduced
     gradient into the same tensor), then the gradient's mark takes that write in. Only the same
-    gradient tensor, written in place since, is followed: a gradient replaced or taken away
-    vouches for nothing, as before."""
+    gradient tensor, written in place since, is followed, or a view of a buffer that replaced
+    it in this pass (DDP's gradient_as_bucket_view puts a view of its bucket, holding the
+    all-reduced gradient, in place of the gradient autograd made for a parameter whose .grad
+    was None): a gradient replaced otherwise or taken away vouches for nothing, as before."""
     if not queued:
         _ENGINE.queue_callback(functools.partial(_after_backward, cache_ref, param, queued=True))
         return
@@ -221,8 +223,14 @@ def _after_backward(cache_ref, param: torch.Tensor, *, queued: bool = False) -> 
         return
     ref, version = entry.mark
     g = param.grad
-    if ref is not None and g is not None and ref() is g and g._version != version:
-        cache.entry = tuple.__new__(CachedCast, (*entry[:7], (ref, g._version), *entry[8:]))
+    if ref is None or g is None:
+        return
+    if ref() is g:
+        if g._version != version:
+            cache.entry = tuple.__new__(CachedCast, (*entry[:7], (ref, g._version), *entry[8:]))
+    elif g._base is not None:  # DDP's bucket view, put in place during this pass
+        cache.entry = tuple.__new__(CachedCast, (*entry[:7], (weakref.ref(g), g._version),
+                                                 *entry[8:]))
 
 
 _UNSEEN_RESET = (
