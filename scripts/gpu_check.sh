@@ -7,12 +7,13 @@
 #   bash scripts/gpu_check.sh --quick         # at most 8 minutes, build included (below)
 #
 # --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
-# grouped (MoE) GEMM kernel's and the MoE casts', the fused FP8AdamW step's, the C++ layer
+# C++ layer step's, the grouped (MoE) GEMM kernel's and the MoE casts', the fused FP8AdamW
 # step's, the statistics kernel's, the casts' and the layer's test files; time limit
-# QUICK_TEST_LIMIT) and racecheck of
-# the shared-memory kernels; then the figures the open performance goals need: the host time of
-# one layer step, the GPU timeline of one step at 16384x8192x1280, the layer step against bf16
-# at five key shapes, the casts at 64 and 256 MB, FP8AdamW's step against torch's fused AdamW
+# QUICK_TEST_LIMIT: on an H200 with 16 cores they took 152 s) and racecheck of the shared-memory
+# kernels; then the figures the open performance goals need, most important first: the host
+# time of one layer step, the GPU timeline of one step at 16384x8192x1280, the layer step against
+# bf16 at five key shapes, 60 steps of the --size gpu demo (bf16 first and last, current,
+# delayed: about 55 s), the casts at 64 and 256 MB, FP8AdamW's step against torch's fused AdamW
 # and the MoE expert step against bf16 torch._grouped_mm. Every section has its own time limit;
 # the last lines are a table for bench/RESULTS.md, and all logs are packed into
 # $OUT/logs.tar.gz.
@@ -81,7 +82,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-120} 12 ${QUICK_TESTS:-tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_grouped_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_step_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-210} 14 ${QUICK_TESTS:-tests/test_step_gpu.py tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_grouped_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 
@@ -95,6 +96,12 @@ if want quickbench; then
     --shapes 16384x8192x7168,16384x8192x1280,8192x4096x4096,4096x4096x4096,1024x4096x4096 \
     --out "$OUT/results" > "$OUT/bench_linear.log" 2>&1
   rc=$?; record $rc bench_linear
+
+  section "examples/train_gpt.py --size gpu, 60 steps: bf16 (first and last), current, delayed"
+  # the bf16 baseline runs twice in one process: its spread bounds what the run can say
+  timeout 120 python3 examples/train_gpt.py --size gpu --steps 60 --eval-every 30 --no-progress \
+    --recipes baseline,current,delayed,baseline --out-dir "$OUT/demo" > "$OUT/demo.log" 2>&1
+  rc=$?; record $rc demo_quick
 
   section "bench/bench_cast.py: 64 and 256 MB"
   timeout 45 python3 bench/bench_cast.py --sizes-mb 64,256 --iters 10 --no-compile \
@@ -120,6 +127,7 @@ if want quickbench; then
   echo; echo "GPU timeline of one step (bench/profile_linear.py --timeline 16384x8192x1280):"
   grep -E "^== timeline|^   span" "$OUT/profile_linear.log"
   echo; sed -n '/^| M |/,/^| geomean/p' "$OUT/results/linear.md" 2>/dev/null
+  echo; echo "Demo, --size gpu, 60 steps:"; sed -n '/^| recipe |/,/^$/p' "$OUT/demo/results.md" 2>/dev/null
   echo; grep -E "^\| input MB|^\| ---|d2d copy|amax|quantize\+transpose|fused (delayed|current)" \
     "$OUT/results/cast.md" 2>/dev/null
 fi
