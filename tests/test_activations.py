@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8ops
+from saved_tensors import Saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -65,28 +66,6 @@ def _input(dtype, shape=(6, N)):
 def _bits(t):
     """The bytes of t, comparable with torch.equal even where t holds NaN."""
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-class Saved:
-    """The tensors saved for backward inside the context (saved_tensors_hooks)."""
-
-    def __init__(self):
-        self.tensors = []
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def _pack(self, t):
-        self.tensors.append(t)
-        return t
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    def of_dtype(self, *dtypes):
-        return [t for t in self.tensors if t.dtype in dtypes]
 
 
 def _dequantize_1x128(data, scale_inv):

@@ -16,6 +16,7 @@ import torch
 import fp8ops
 from fp8ops.nn import step
 from fp8ops.scaling import weight_cache
+from saved_tensors import Saved
 
 pytestmark = pytest.mark.skipif(not step.available(), reason="fp8ops._step is not built")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,23 +364,6 @@ def test_a_weight_write_inside_a_checkpoint(recipe, reentrant):
     _same_state(fast, ref)
 
 
-class _Packed:
-    """The tensors saved for backward inside (saved_tensors_hooks), as they are."""
-
-    def __enter__(self):
-        self.tensors = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def _pack(self, t):
-        self.tensors.append(t)
-        return t
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_saved_tensor_hooks_see_what_the_python_path_saves(recipe):
     """Saved-tensor hooks see the same tensors on both paths: the FP8 casts and, where the
@@ -391,7 +375,7 @@ def test_saved_tensor_hooks_see_what_the_python_path_saves(recipe):
             seen = []
             for layer in (fast, ref):
                 x = torch.randn(8, 96, requires_grad=input_grad)
-                with _Packed() as packed, context():
+                with Saved() as packed, context():
                     y = layer(x)
                 weights = [t for t in packed.tensors if t is layer.weight]
                 assert len(weights) == input_grad, (input_grad, context)
