@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import statistics
@@ -96,12 +97,17 @@ def measure(tree: str, config: dict, rounds: int, steps: int, warmup: int, threa
 
 
 def _extensions_loaded(fp8ops) -> str:
-    """Which of the CPU extensions the measured tree runs with (an unbuilt tree runs the
-    emulation's tensor code and the Python layer step)."""
-    from fp8ops.nn import step
-    from fp8ops.ops import cpu_kernels
-    names = [n for n, on in (("_cpu", cpu_kernels.loaded()), ("_step", step.available())) if on]
-    return ", ".join(f"fp8ops.{n}" for n in names) or "none"
+    """Which of the CPU extensions the measured steps loaded (an unbuilt tree runs the
+    emulation's tensor code and the Python layer step), and any that did not come from the
+    measured tree (an editable install of another checkout can supply one the tree lacks)."""
+    here = os.path.dirname(os.path.abspath(fp8ops.__file__))
+    names = []
+    for name in ("fp8ops._cpu", "fp8ops._step"):
+        module = sys.modules.get(name)
+        if module is not None:
+            where = os.path.dirname(os.path.abspath(module.__file__))
+            names.append(name if where == here else f"{name} from {where}")
+    return ", ".join(names) or "none"
 
 
 def _gpt_maker(torch, fp8ops, train_gpt, config):
@@ -136,6 +142,9 @@ def _mlp_maker(torch, fp8ops, train_gpt, config):
     """make(recipe name) -> one SGD step of the MLP in that recipe, every Linear in FP8."""
     nn = torch.nn
     d, hidden, tokens = config["d_model"], config["hidden"], config["tokens"]
+    # every layer in FP8 (a revision older than the fallback rule has none to turn off)
+    never = {"fallback": "never"} if "fallback" in \
+        inspect.signature(fp8ops.convert_to_fp8).parameters else {}
     gen = torch.Generator().manual_seed(1)
     # a few fixed batches, taken in turn (the same for every recipe)
     batches = [(torch.randn(tokens, d, generator=gen), torch.randn(tokens, d, generator=gen))
@@ -148,7 +157,7 @@ def _mlp_maker(torch, fp8ops, train_gpt, config):
                                               nn.Linear(hidden, d))
                                 for _ in range(config["n_block"])))
         if recipe is not None:
-            fp8ops.convert_to_fp8(model, recipe, fallback="never")
+            fp8ops.convert_to_fp8(model, recipe, **never)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         count = [0]
 

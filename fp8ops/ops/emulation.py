@@ -201,9 +201,11 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0,
-             rng: Optional[torch.Tensor] = None, via: Optional[torch.dtype] = None):
+             rng: Optional[torch.Tensor] = None, via: Optional[torch.dtype] = None, *,
+             x_amax: Optional[torch.Tensor] = None):
     """x (rounded to `via` first, when given) scaled and rounded to FP8: (data, data_t or an
-    empty tensor, amax of x)."""
+    empty tensor, amax of x). x_amax (not in the op's schema): amax(x), which a caller that
+    took it already passes rather than have x read again."""
     if via is not None:
         if via not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fp8ops: via must be float32, bfloat16 or float16, got {via}")
@@ -214,7 +216,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     s = _f32(scale)
     if s.dim():
         s = s.reshape(())  # a [1] scale must not broadcast a 0-d x
-    x_amax = _abs_max(x)
+    if x_amax is None:
+        x_amax = _abs_max(x)
     if _on_host(x) and cpu_kernels.loaded() and s.device.type == "cpu":
         xf = _f32(x)
         if xf.is_contiguous():

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from . import emulation
 from .emulation import quantize_blockwise_pair_kernel, scale_from_amax
 from ..formats import get_format
 
@@ -38,8 +39,10 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, margin: float, power_o
                      rng: Optional[torch.Tensor] = None):
     """Current scaling: scale = max / (amax(x) * margin) (1.0 for an amax of 0 or not finite),
     then the cast."""
-    scale = own_scale(x, get_format(dtype).max, margin, power_of_two)
-    data, data_t = cast(x, scale, dtype, transpose, stochastic, seed, offset, rng)[:2]
+    amax = _ops.amax(x)
+    scale = scale_from_amax(amax, torch.ones_like(amax), get_format(dtype).max, margin,
+                            power_of_two)
+    data, data_t = cast(x, scale, dtype, transpose, stochastic, seed, offset, rng, amax)[:2]
     return data, data_t, scale, torch.reciprocal(scale), column_sums(x, sum_dtype)
 
 
@@ -61,10 +64,15 @@ def step_role(amax_history, scale, scale_inv, amax_rep, pending_amax, step, fp8_
     torch._foreach_copy_([amax_history, scale, scale_inv, amax_rep, pending_amax], list(outs))
 
 
-def cast(x, scale, dtype, transpose, stochastic, seed, offset, rng):
+def cast(x, scale, dtype, transpose, stochastic, seed, offset, rng, x_amax=None):
     """ops.quantize; a stochastic cast that read its random stream from rng advances its
-    offset by one."""
-    out = _ops.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng)
+    offset by one. x_amax: ops.amax(x), taken already (on the CPU the cast then returns it
+    rather than reading x for it again)."""
+    if x_amax is not None and x.device.type == "cpu":
+        out = emulation.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng,
+                                 x_amax=x_amax)
+    else:
+        out = _ops.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng)
     if stochastic and rng is not None:
         rng[1:].add_(1)
     return out
