@@ -1,5 +1,5 @@
 """CPU training speed of the emulation: tokens/s of each FP8 recipe against the float32 baseline,
-measured side by side in one process, on one of two models (--model):
+measured side by side in one process, on either or both of two models (--model):
 
 gpt: the training demo's GPT (same seed and batches as examples/train_gpt.py; its blocks'
   Linears in FP8), the demo's step: forward, backward, clip, AdamW step.
@@ -15,6 +15,7 @@ fast as float32).
 
     python bench/bench_emulation.py                      # the demo's config and d_model 256
     python bench/bench_emulation.py --model mlp          # the MLP
+    python bench/bench_emulation.py --model gpt,mlp      # both, in one table
     python bench/bench_emulation.py --before HEAD~3      # the same run on another commit too
 
 --before REV exports that commit's tree (git archive), builds its CPU extensions there
@@ -30,6 +31,7 @@ import datetime
 import inspect
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -208,25 +210,31 @@ def export_tree(rev, dest):
                           capture_output=True, text=True).stdout.strip()
 
 
+def _ratios(runs, name):
+    """(median, low, high) over the measurements of baseline time / the recipe's time."""
+    r = [run["median_s"]["baseline"] / run["median_s"][name] for run in runs]
+    return statistics.median(r), min(r), max(r)
+
+
 def table(results, configs, before_rev):
-    head = "| config | recipe | tokens/s | ratio to float32 |"
-    sep = "|---|---|---:|---:|"
+    """One row per config and recipe: tokens/s (median over the measurements), the ratio (their
+    median) and its range over them, for this tree and with --before for that one."""
+    head = "| config | recipe | tokens/s | ratio to float32 | range |"
+    sep = "|---|---|---:|---:|---:|"
     if before_rev:
-        head += f" ratio before ({before_rev}) |"
-        sep += "---:|"
+        head += f" ratio before ({before_rev}) | range before |"
+        sep += "---:|---:|"
     rows = [head, sep]
     for cfg, res in results.items():
-        after = res["after"]
         for name in RECIPES:
-            t = statistics.median(r["median_s"][name] for r in after)
-            ratio = statistics.median(r["median_s"]["baseline"] / r["median_s"][name]
-                                      for r in after)
-            row = f"| {cfg} | {name} | {tokens_per_step(configs[cfg]) / t:.0f} | " + \
-                  ("-" if name == "baseline" else f"{ratio:.2f}") + " |"
-            if before_rev:
-                b = statistics.median(r["median_s"]["baseline"] / r["median_s"][name]
-                                      for r in res["before"])
-                row += (" - |" if name == "baseline" else f" {b:.2f} |")
+            t = statistics.median(r["median_s"][name] for r in res["after"])
+            row = f"| {cfg} | {name} | {tokens_per_step(configs[cfg]) / t:.0f} |"
+            for runs in [res["after"]] + ([res["before"]] if before_rev else []):
+                if name == "baseline":
+                    row += " - | - |"
+                else:
+                    mid, lo, hi = _ratios(runs, name)
+                    row += f" {mid:.2f} | {lo:.2f}-{hi:.2f} |"
             rows.append(row)
     return "\n".join(rows) + "\n"
 
@@ -239,8 +247,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2,
                     help="measurements per tree and config (alternating with --before)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    ap.add_argument("--model", choices=tuple(MODELS), default="gpt",
-                    help="the model: the demo's GPT or the MLP (module doc)")
+    ap.add_argument("--model", default="gpt",
+                    help="the model(s), comma-separated: gpt (the demo's GPT), mlp (module doc)")
     ap.add_argument("--configs", default=None,
                     help="comma-separated subset of the model's configs (default: all): " +
                     "; ".join(f"{m}: " + ", ".join(c) for m, c in MODELS.items()))
@@ -257,7 +265,10 @@ def main():
     if args.worker:
         return worker_main(args)
 
-    configs = MODELS[args.model]
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    if not models or any(m not in MODELS for m in models):
+        raise SystemExit(f"--model takes one or more of {', '.join(MODELS)}, got {args.model!r}")
+    configs = {name: cfg for m in models for name, cfg in MODELS[m].items()}
     names = [c.strip() for c in (args.configs or ",".join(configs)).split(",") if c.strip()]
     unknown = [c for c in names if c not in configs]
     if unknown:
@@ -286,11 +297,12 @@ def main():
         ext += f" ({before_rev}: {results[names[0]]['before'][0]['extensions']})"
     text = (f"# CPU emulation: training tokens/s against the float32 baseline\n\n"
             f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, "
-            f"torch {info['torch']}, {info['threads']} threads, {ext}; {DESCRIBE[args.model]}; "
+            f"torch {info['torch']}, {info['threads']} threads, {ext}; "
+            f"{'; '.join(DESCRIBE[m] for m in models)}; "
             f"median step of {args.rounds} rounds x {args.steps} steps (each block after one "
             f"untimed step) after {args.warmup} warm-up steps, {args.repeats} measurement(s) per "
-            f"tree (ratios: their median)\n\n"
-            f"`python bench/bench_emulation.py{''.join(' ' + a for a in sys.argv[1:])}`\n\n"
+            f"tree (ratios: their median, and their range)\n\n"
+            f"`python bench/bench_emulation.py{''.join(' ' + shlex.quote(a) for a in sys.argv[1:])}`\n\n"
             + table(results, configs, before_rev))
     print("\n" + text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

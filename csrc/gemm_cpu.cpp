@@ -25,7 +25,9 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // the blockwise GEMM's K block
 
-int64_t row_grain(int64_t N) { return std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(N, 1)); }
+int64_t row_grain(int64_t N) {
+  return std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(N, 1));
+}
 
 // Rows [m0, m1) of acc [M, N]: acc * alpha (when scale) + bias (when given).
 FP8OPS_CPU_CLONES void epilogue_rows(float* acc, bool scale, float alpha, const float* bias,
@@ -180,8 +182,9 @@ bool gemm_blockwise_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tens
       at::Tensor out = k == 0 ? acc : part.select(0, k - k0 - (k0 == 0 ? 1 : 0));
       at::mm_out(out, af.narrow(1, c0, kl), bf.narrow(1, c0, kl).t());
       parts[k - k0] = out.mutable_data_ptr<float>();
+      const float* sbk = sbp + k * b_scale_inv.stride(1);
       for (int64_t n = 0; n < N; ++n)
-        sb[(k - k0) * N + n] = sbp[(per_row ? n : n / kBlock) * b_scale_inv.stride(0) + k * b_scale_inv.stride(1)];
+        sb[(k - k0) * N + n] = sbk[(per_row ? n : n / kBlock) * b_scale_inv.stride(0)];
     }
     const float* bp = (k1 == Kb && fuse_bias) ? bias32.const_data_ptr<float>() : nullptr;
     at::parallel_for(0, M, row_grain(N), [&](int64_t m0, int64_t m1) {

@@ -84,7 +84,8 @@ def _loaded():
 def test_decode_every_byte_and_layout(dtype, threads):
     every = torch.arange(256, dtype=torch.uint8).view(dtype)
     finite = random_bytes((300, 77), dtype, 1)
-    for data in (every, finite, finite.t(), finite[:, :40].t()[:5], random_bytes((9, 70001), dtype, 2)):
+    big = random_bytes((9, 70001), dtype, 2)  # several tasks
+    for data in (every, finite, finite.t(), finite[:, :40].t()[:5], big):
         out = torch.empty_like(data, dtype=torch.float32)
         if not E._dense(data):
             continue
