@@ -106,7 +106,10 @@ struct Decode {
   float* out;
   int64_t n;
   uint32_t (*fn)(const uint8_t*, float*, int64_t);
-  std::atomic<uint32_t> top{0};
+  uint32_t first_nan;
+  std::atomic<uint32_t> top{0};  // the largest magnitude byte met
+
+  bool decoded() const { return top.load() < first_nan; }
 };
 
 void check_decode(const at::Tensor& data, const at::Tensor& out) {
@@ -130,7 +133,10 @@ struct Dequantize {
   float* out;
   uint32_t (*fn)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t,
                  int64_t, int64_t);
-  std::atomic<uint32_t> top{0};
+  uint32_t first_nan;
+  std::atomic<uint32_t> top{0};  // the largest magnitude byte met
+
+  bool decoded() const { return top.load() < first_nan; }
 
   // rows [r0, r1): straight from data's rows, or (a transposed data) its columns put in order first
   void rows(int64_t r0, int64_t r1, std::vector<uint8_t>& panel) {
@@ -163,75 +169,93 @@ void check_dequantize(const at::Tensor& data, const at::Tensor& scales, int64_t 
               "dequantize_mx: out must be a contiguous float32 CPU tensor of data's sizes");
 }
 
-}  // namespace
+void set(Decode& job, const at::Tensor& data, const at::Tensor& out) {
+  check_decode(data, out);
+  job.data = reinterpret_cast<const uint8_t*>(data.const_data_ptr());
+  job.out = out.mutable_data_ptr<float>();
+  job.n = data.numel();
+  job.fn = data.scalar_type() == at::kFloat8_e4m3fn ? &decode_e4m3 : &decode_e5m2;
+  job.first_nan = first_nan(data);
+}
 
-std::pair<bool, bool> decode_fp8_pair(const at::Tensor& a, const at::Tensor& a_out,
-                                      const at::Tensor& b, const at::Tensor& b_out) {
-  check_decode(a, a_out);
-  check_decode(b, b_out);
-  Decode jobs[2];
-  const at::Tensor* in[2] = {&a, &b};
-  const at::Tensor* out[2] = {&a_out, &b_out};
-  for (int j = 0; j < 2; ++j) {
-    jobs[j].data = reinterpret_cast<const uint8_t*>(in[j]->const_data_ptr());
-    jobs[j].out = out[j]->mutable_data_ptr<float>();
-    jobs[j].n = in[j]->numel();
-    jobs[j].fn = in[j]->scalar_type() == at::kFloat8_e4m3fn ? &decode_e4m3 : &decode_e5m2;
-  }
-  // one range over both tensors' elements, so that both decode in one parallel region
-  at::parallel_for(0, jobs[0].n + jobs[1].n, kGrain, [&](int64_t i0, int64_t i1) {
+// The jobs over one range of all their elements: one parallel region whatever their number.
+void run(Decode* jobs, int n) {
+  int64_t total = 0;
+  for (int j = 0; j < n; ++j) total += jobs[j].n;
+  at::parallel_for(0, total, kGrain, [&](int64_t i0, int64_t i1) {
     int64_t base = 0;
-    for (Decode& job : jobs) {
+    for (int j = 0; j < n; ++j) {
+      Decode& job = jobs[j];
       const int64_t lo = std::max<int64_t>(i0 - base, 0), hi = std::min<int64_t>(i1 - base, job.n);
       if (lo < hi) fold_max(job.top, job.fn(job.data + lo, job.out + lo, hi - lo));
       base += job.n;
     }
   });
-  return {jobs[0].top.load() < first_nan(a), jobs[1].top.load() < first_nan(b)};
+}
+
+void set(Dequantize& q, const at::Tensor& data, const at::Tensor& scales, int64_t block_size,
+         const at::Tensor& out) {
+  check_dequantize(data, scales, block_size, out);
+  q.data = reinterpret_cast<const uint8_t*>(data.const_data_ptr());
+  q.sd0 = data.stride(0), q.sd1 = data.stride(1);
+  q.scales = scales.const_data_ptr<uint8_t>();
+  q.ss0 = scales.stride(0), q.ss1 = scales.stride(1);
+  q.block = block_size, q.R = data.size(1) ? data.size(0) : 0, q.C = data.size(1);
+  q.out = out.mutable_data_ptr<float>();
+  q.fn = data.scalar_type() == at::kFloat8_e4m3fn ? &dequantize_mx_e4m3 : &dequantize_mx_e5m2;
+  q.first_nan = first_nan(data);
+}
+
+// The jobs over one range of all their rows: one parallel region whatever their number.
+void run(Dequantize* jobs, int n) {
+  int64_t total = 0, C = 1;
+  for (int j = 0; j < n; ++j) total += jobs[j].R, C = std::max(C, jobs[j].C);
+  at::parallel_for(0, total, std::max<int64_t>(kPanel, kGrain / C), [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> panel;
+    int64_t base = 0;
+    for (int j = 0; j < n; ++j) {
+      const int64_t lo = std::max<int64_t>(r0 - base, 0), hi = std::min<int64_t>(r1 - base, jobs[j].R);
+      if (lo < hi) jobs[j].rows(lo, hi, panel);
+      base += jobs[j].R;
+    }
+  });
+}
+
+}  // namespace
+
+std::pair<bool, bool> decode_fp8_pair(const at::Tensor& a, const at::Tensor& a_out,
+                                      const at::Tensor& b, const at::Tensor& b_out) {
+  Decode jobs[2];
+  set(jobs[0], a, a_out);
+  set(jobs[1], b, b_out);
+  run(jobs, 2);
+  return {jobs[0].decoded(), jobs[1].decoded()};
 }
 
 std::pair<bool, bool> dequantize_mx_pair(const at::Tensor& a, const at::Tensor& a_scales,
                                          const at::Tensor& a_out, const at::Tensor& b,
                                          const at::Tensor& b_scales, const at::Tensor& b_out,
                                          int64_t block_size) {
-  check_dequantize(a, a_scales, block_size, a_out);
-  check_dequantize(b, b_scales, block_size, b_out);
   Dequantize jobs[2];
-  const at::Tensor* in[2] = {&a, &b};
-  const at::Tensor* sc[2] = {&a_scales, &b_scales};
-  const at::Tensor* out[2] = {&a_out, &b_out};
-  for (int j = 0; j < 2; ++j) {
-    Dequantize& q = jobs[j];
-    q.data = reinterpret_cast<const uint8_t*>(in[j]->const_data_ptr());
-    q.sd0 = in[j]->stride(0), q.sd1 = in[j]->stride(1);
-    q.scales = sc[j]->const_data_ptr<uint8_t>();
-    q.ss0 = sc[j]->stride(0), q.ss1 = sc[j]->stride(1);
-    q.block = block_size, q.R = in[j]->size(0), q.C = in[j]->size(1);
-    q.out = out[j]->mutable_data_ptr<float>();
-    q.fn = in[j]->scalar_type() == at::kFloat8_e4m3fn ? &dequantize_mx_e4m3 : &dequantize_mx_e5m2;
-  }
-  const int64_t C = std::max<int64_t>({jobs[0].C, jobs[1].C, 1});
-  // one range over both tensors' rows (each tensor with no columns has nothing to do)
-  const int64_t Ra = jobs[0].C ? jobs[0].R : 0, Rb = jobs[1].C ? jobs[1].R : 0;
-  at::parallel_for(0, Ra + Rb, std::max<int64_t>(kPanel, kGrain / C), [&](int64_t r0, int64_t r1) {
-    std::vector<uint8_t> panel;
-    if (r0 < Ra) jobs[0].rows(r0, std::min(r1, Ra), panel);
-    if (r1 > Ra) jobs[1].rows(std::max<int64_t>(r0 - Ra, 0), r1 - Ra, panel);
-  });
-  return {jobs[0].top.load() < first_nan(a), jobs[1].top.load() < first_nan(b)};
+  set(jobs[0], a, a_scales, block_size, a_out);
+  set(jobs[1], b, b_scales, block_size, b_out);
+  run(jobs, 2);
+  return {jobs[0].decoded(), jobs[1].decoded()};
 }
 
 bool decode_fp8_cpu(const at::Tensor& data, const at::Tensor& out) {
-  const at::Tensor none = at::empty({0}, data.options());
-  return decode_fp8_pair(data, out, none, at::empty({0}, out.options())).first;
+  Decode job;
+  set(job, data, out);
+  run(&job, 1);
+  return job.decoded();
 }
 
 bool dequantize_mx_cpu(const at::Tensor& data, const at::Tensor& scales, int64_t block_size,
                        const at::Tensor& out) {
-  const at::Tensor none = at::empty({0, block_size}, data.options());
-  return dequantize_mx_pair(data, scales, out, none, at::empty({0, 1}, scales.options()),
-                            at::empty({0, block_size}, out.options()), block_size)
-      .first;
+  Dequantize job;
+  set(job, data, scales, block_size, out);
+  run(&job, 1);
+  return job.decoded();
 }
 
 at::Tensor transpose_bytes_cpu(const at::Tensor& data) {
