@@ -66,7 +66,8 @@ std::tuple<at::Tensor, at::Tensor> cast_scaled_cpu(const at::Tensor& x, double s
               "cast_scaled: dtype must be float8_e4m3fn or float8_e5m2");
   // x's 2-D view [rows, last dim] (a 0-d x is [1, 1]), as emulation._as_2d
   const int64_t C = x.dim() == 0 ? 1 : x.size(-1);
-  const int64_t R = C == 0 ? 0 : x.numel() / C;
+  int64_t R = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) R *= x.size(d);
   at::Tensor data = at::empty(x.sizes(), x.options().dtype(dtype));
   const std::vector<int64_t> t_shape = transpose ? std::vector<int64_t>{C, R} : std::vector<int64_t>{0};
   at::Tensor data_t = at::empty(t_shape, x.options().dtype(dtype));

@@ -237,8 +237,8 @@ def cast_inputs():
     x = torch.randn(130, 300, generator=g) * 50.0
     x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e-30, 1e-45])
     return [x, torch.randn(3, 5, 200, generator=g), torch.randn(7, generator=g),
-            torch.tensor(3.0), torch.randn(0, 4), torch.randn(1000, 64, generator=g) * 1e-3,
-            torch.randn(64, 100, generator=g).t()]
+            torch.tensor(3.0), torch.randn(0, 4), torch.randn(4, 0), torch.randn(2, 3, 0),
+            torch.randn(1000, 64, generator=g) * 1e-3, torch.randn(64, 100, generator=g).t()]
 
 
 @pytest.mark.parametrize("dtype", F8)
@@ -267,7 +267,7 @@ def test_blockwise_pair(dtype, power_of_two, threads, monkeypatch):
     specials[199, 259] = float("-inf")
     tiny = torch.randn(129, 257, generator=g) * 1e-39
     for x in (torch.randn(256, 384, generator=g), specials, tiny, torch.randn(1, 5, generator=g),
-              torch.randn(300, 128, generator=g).bfloat16(), torch.randn(0, 128),
+              torch.randn(300, 128, generator=g).bfloat16(), torch.randn(0, 128), torch.randn(5, 0),
               torch.randn(128, 300, generator=g).t()):
         def pair():
             return fused.quantize_blockwise_pair(x, dtype, power_of_two, torch.float32)
