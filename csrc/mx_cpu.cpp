@@ -15,6 +15,10 @@
 namespace fp8ops_cpu {
 namespace {
 
+// Elements of contiguous blocks (blocks along the last axis) whose scales are taken before one
+// cast of them all: the cast then runs over a long row with a multiplier per element.
+constexpr int64_t kRun = 1024;
+
 // emulation._mx_exponent_bits for one block's max |x| (as bits): the E8M0 scale byte, and the
 // multiplier 2^-e (NaN for a block holding NaN or inf, which makes all its data NaN).
 template <class F>
@@ -31,25 +35,30 @@ FP8OPS_ALWAYS_INLINE uint8_t mx_scale(uint32_t amax_bits, bool rceil, float* mul
 // Rows [r0, r1) of x viewed as [outer, nblocks * block, inner] (the block axis in the middle),
 // scales as [outer, nblocks, inner]. Row r = (o, b) holds `inner` blocks side by side, each
 // `block` elements `inner` apart; with inner = 1 a row is one contiguous block. amax and mult:
-// room for `inner` values.
+// room for `inner` values, and mult for kRun * block with inner = 1.
 template <class F>
 FP8OPS_ALWAYS_INLINE void quantize_mx_rows(const float* x, uint8_t* data, uint8_t* scales, int64_t r0,
                                            int64_t r1, int64_t block, int64_t inner, bool rceil,
                                            uint32_t* amax, float* mult) {
+  if (inner == 1) {  // consecutive blocks: the scales of a run of them, then one cast of the run
+    const int64_t run = std::max<int64_t>(1, kRun / block);
+    for (int64_t b0 = r0; b0 < r1; b0 += run) {
+      const int64_t n = std::min(run, r1 - b0);
+      for (int64_t b = 0; b < n; ++b) {
+        const float* xb = x + (b0 + b) * block;
+        float m;
+        // the MX block: a constant trip count unrolls into whole vectors
+        const uint32_t a = block == 32 ? abs_max_bits(xb, 32) : abs_max_bits(xb, block);
+        scales[b0 + b] = mx_scale<F>(a, rceil, &m);
+        std::fill(mult + b * block, mult + (b + 1) * block, m);
+      }
+      scale_and_cast<F, 1>(x + b0 * block, data + b0 * block, mult, n * block);
+    }
+    return;
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = x + r * block * inner;
     uint8_t* dr = data + r * block * inner;
-    if (inner == 1) {
-      float m;
-      if (block == 32) {  // the MX block: a constant trip count unrolls into whole vectors
-        scales[r] = mx_scale<F>(abs_max_bits(xr, 32), rceil, &m);
-        scale_and_cast<F, 0>(xr, dr, &m, 32);
-      } else {
-        scales[r] = mx_scale<F>(abs_max_bits(xr, block), rceil, &m);
-        scale_and_cast<F, 0>(xr, dr, &m, block);
-      }
-      continue;
-    }
     std::fill(amax, amax + inner, 0u);
     for (int64_t k = 0; k < block; ++k) abs_max_bits_into(xr + k * inner, amax, inner);
     for (int64_t i = 0; i < inner; ++i) scales[r * inner + i] = mx_scale<F>(amax[i], rceil, &mult[i]);
@@ -102,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mx_cpu(const at::Tensor& x, at::Scal
   const int64_t grain = std::max<int64_t>(1, 16384 / (block_size * inner));
   at::parallel_for(0, outer * nblocks, grain, [&](int64_t r0, int64_t r1) {
     std::vector<uint32_t> amax(inner);
-    std::vector<float> mult(inner);
+    std::vector<float> mult(inner == 1 ? std::max<int64_t>(kRun, block_size) : inner);
     rows_fn(xp, d, s, r0, r1, block_size, inner, rceil, amax.data(), mult.data());
   });
   return {data, scales};

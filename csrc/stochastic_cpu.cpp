@@ -1,6 +1,7 @@
-// CPU kernel of stochastic rounding (docs/design.md, "Stochastic rounding") for the emulation: the whole of
-// emulation._stochastic_fp8 in one pass, its random words from csrc/philox.h. The steps are the
-// emulation's own float32 operations, in its order (the clamp, ulp from |y|'s exponent field,
+// CPU kernel of stochastic rounding (docs/design.md, "Stochastic rounding") for the emulation: the
+// cast's multiply by its scale and the whole of emulation._stochastic_fp8 in one pass, its random
+// words from csrc/philox.h. The steps are the emulation's own float32 operations, in its order
+// (the multiply, the clamp, ulp from |y|'s exponent field,
 // k = |y| / ulp, floor, the step up = ceil(k - floor(k) - u), (floor(k) + up) * ulp, the sign),
 // so the bytes are the same (tests/test_cpu_kernels.py).
 #include <ATen/Parallel.h>
@@ -19,10 +20,11 @@ namespace {
 
 constexpr int64_t kChunk = 1024;  // elements per pass of each loop below (a multiple of 4)
 
-// Elements [i0, i1) of y (i0 a multiple of 4): u for each, then the rounding into data.
+// Elements [i0, i1) of y (i0 a multiple of 4): u for each, then the rounding of y * scale into
+// data (the emulation's float32 multiply by the cast's scale).
 template <class F, int kEmin>
-FP8OPS_ALWAYS_INLINE void stochastic_range(const float* y, uint8_t* data, int64_t i0, int64_t i1,
-                                           uint64_t seed, uint64_t offset) {
+FP8OPS_ALWAYS_INLINE void stochastic_range(const float* y, float scale, uint8_t* data, int64_t i0,
+                                           int64_t i1, uint64_t seed, uint64_t offset) {
   float u[kChunk];
   const float mx = F::max();
   const uint32_t min_ulp_field = uint32_t(kEmin + 127) << 23;
@@ -36,7 +38,7 @@ FP8OPS_ALWAYS_INLINE void stochastic_range(const float* y, uint8_t* data, int64_
       u[4 * b + 3] = float(r.w >> 8) * 0x1p-24f;
     }
     for (int64_t i = 0; i < n; ++i) {
-      float v = y[c0 + i];
+      float v = y[c0 + i] * scale;
       v = v < -mx ? -mx : (v > mx ? mx : v);  // NaN passes, as torch.clamp
       const float a = std::fabs(v);
       const uint32_t field = std::max(bits_of(a) & 0x7F800000u, min_ulp_field);
@@ -48,19 +50,20 @@ FP8OPS_ALWAYS_INLINE void stochastic_range(const float* y, uint8_t* data, int64_
     }
   }
 }
-FP8OPS_CPU_CLONES void stochastic_e4m3(const float* y, uint8_t* data, int64_t i0, int64_t i1,
-                                       uint64_t seed, uint64_t offset) {
-  stochastic_range<E4M3, -6>(y, data, i0, i1, seed, offset);
+FP8OPS_CPU_CLONES void stochastic_e4m3(const float* y, float scale, uint8_t* data, int64_t i0,
+                                       int64_t i1, uint64_t seed, uint64_t offset) {
+  stochastic_range<E4M3, -6>(y, scale, data, i0, i1, seed, offset);
 }
-FP8OPS_CPU_CLONES void stochastic_e5m2(const float* y, uint8_t* data, int64_t i0, int64_t i1,
-                                       uint64_t seed, uint64_t offset) {
-  stochastic_range<E5M2, -14>(y, data, i0, i1, seed, offset);
+FP8OPS_CPU_CLONES void stochastic_e5m2(const float* y, float scale, uint8_t* data, int64_t i0,
+                                       int64_t i1, uint64_t seed, uint64_t offset) {
+  stochastic_range<E5M2, -14>(y, scale, data, i0, i1, seed, offset);
 }
 
 }  // namespace
 
 at::Tensor stochastic_round_cpu(const at::Tensor& y, at::ScalarType dtype, int64_t seed_lo,
-                                int64_t seed_hi, int64_t offset_lo, int64_t offset_hi) {
+                                int64_t seed_hi, int64_t offset_lo, int64_t offset_hi,
+                                double scale) {
   TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.is_contiguous(),
               "stochastic_round: y must be a contiguous float32 CPU tensor");
   TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
@@ -75,9 +78,10 @@ at::Tensor stochastic_round_cpu(const at::Tensor& y, at::ScalarType dtype, int64
   const float* yp = y.const_data_ptr<float>();
   auto* dp = reinterpret_cast<uint8_t*>(data.data_ptr());
   const auto fn = dtype == at::kFloat8_e4m3fn ? &stochastic_e4m3 : &stochastic_e5m2;
+  const float s = static_cast<float>(scale);  // a float32 value, exact through the double
   // tasks of whole chunks, so that every Philox block (four elements) stays in one task
   at::parallel_for(0, (n + kChunk - 1) / kChunk, 8, [&](int64_t c0, int64_t c1) {
-    fn(yp, dp, c0 * kChunk, std::min(n, c1 * kChunk), seed, offset);
+    fn(yp, s, dp, c0 * kChunk, std::min(n, c1 * kChunk), seed, offset);
   });
   return data;
 }

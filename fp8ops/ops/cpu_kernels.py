@@ -1,8 +1,8 @@
-"""The emulation's CPU kernels (stochastic rounding, quantize_mx, the blockwise quantizer's passes):
-fp8ops._cpu (csrc/*_cpu.cpp), built with the package by a plain C++ compiler. Each replaces a
-pure-PyTorch part of the emulation on CPU tensors with the same bytes (tests/test_cpu_kernels.py);
-where the extension is not built, or FP8OPS_DISABLE_CPU_KERNELS=1, the emulation runs its own
-tensor code."""
+"""The emulation's CPU kernels (the casts, the reading back of FP8 operands, the GEMMs around
+torch.mm): fp8ops._cpu (csrc/*_cpu.cpp), built with the package by a plain C++ compiler. Each
+replaces a pure-PyTorch part of the emulation on CPU tensors with the same bytes
+(tests/test_cpu_kernels.py, tests/test_cpu_gemm_kernels.py); where the extension is not built, or
+FP8OPS_DISABLE_CPU_KERNELS=1, the emulation runs its own tensor code."""
 from __future__ import annotations
 
 import os

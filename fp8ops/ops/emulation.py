@@ -77,6 +77,10 @@ def _fp8_to_f32(data: torch.Tensor, slot: Optional[str] = None) -> torch.Tensor:
     fmt = get_format(data.dtype)
     if not _on_host(data) or data.numel() == 0:
         return data.float()
+    if cpu_kernels.loaded() and _dense(data):
+        # csrc/decode_cpu.cpp: one pass; it declines data holding a NaN byte
+        out = _decode_buffer(data, slot)
+        return out if torch.ops.fp8ops_cpu.decode_fp8(data, out) else data.float()
     u8 = data.view(torch.uint8)
     if int(torch.bitwise_and(u8, 0x7F, out=scratch_like("fp8_mag", u8)).max()) >= \
             _FIRST_NAN[fmt.name]:
@@ -93,6 +97,27 @@ def _fp8_to_f32(data: torch.Tensor, slot: Optional[str] = None) -> torch.Tensor:
     # too). The sign-extended int8 shifted by 7 sets bit 14 for negative bytes: cleared by the mask.
     h.copy_(data.view(torch.int8)).bitwise_left_shift_(7).bitwise_and_(-0x4001)
     return out.copy_(h.view(torch.float16)).mul_(256.0)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its span of memory once each (contiguous in some order of its
+    dims, such as a transpose), all strides positive."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def _decode_buffer(data: torch.Tensor, slot: Optional[str]) -> torch.Tensor:
+    """Where _fp8_to_f32 decodes data: scratch `slot` for a contiguous data, else a new tensor
+    of data.float()'s layout."""
+    if slot is not None and data.is_contiguous():
+        return scratch_like(slot, data, torch.float32)
+    return torch.empty_like(data, dtype=torch.float32)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +139,11 @@ def _abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
         return torch.abs(x.float(), out=scratch_like("abs", x, torch.float32)).amax(dim=dim)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    if _on_host(x):
+    if _on_host(x) and cpu_kernels.loaded() and x.dtype == torch.float32 and x.is_contiguous():
+        a = torch.ops.fp8ops_cpu.abs_max(x)  # csrc/per_tensor_cpu.cpp: one pass
+        if not math.isnan(a.item()):
+            return a
+    elif _on_host(x):
         # max(max x, -min x) reads x twice but writes no |x|; exact, as max and negation are.
         # NaN: the plain way below, for its bits.
         hi, lo = x.amax().item(), x.amin().item()
@@ -172,9 +201,11 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = False,
              stochastic: bool = False, seed: int = 0, offset: int = 0,
-             rng: Optional[torch.Tensor] = None, via: Optional[torch.dtype] = None):
+             rng: Optional[torch.Tensor] = None, via: Optional[torch.dtype] = None, *,
+             x_amax: Optional[torch.Tensor] = None):
     """x (rounded to `via` first, when given) scaled and rounded to FP8: (data, data_t or an
-    empty tensor, amax of x)."""
+    empty tensor, amax of x). x_amax (not in the op's schema): amax(x), which a caller that
+    took it already passes rather than have x read again."""
     if via is not None:
         if via not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fp8ops: via must be float32, bfloat16 or float16, got {via}")
@@ -185,7 +216,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     s = _f32(scale)
     if s.dim():
         s = s.reshape(())  # a [1] scale must not broadcast a 0-d x
-    x_amax = _abs_max(x)
+    if x_amax is None:
+        x_amax = _abs_max(x)
+    if _on_host(x) and cpu_kernels.loaded() and s.device.type == "cpu":
+        xf = _f32(x)
+        if xf.is_contiguous():
+            return _cast_kernels(xf, s.item(), fmt, transpose, stochastic, seed, offset) + (x_amax,)
     y = torch.mul(_f32(x), s, out=scratch_like("cast_y", x, torch.float32))
     nan_possible = clamp = True
     if _on_host(x):
@@ -209,6 +245,22 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose
     return data, data_t, x_amax
 
 
+def _cast_kernels(x: torch.Tensor, scale: float, fmt, transpose: bool, stochastic: bool,
+                  seed: int, offset: int):
+    """quantize's (data, data_t) of a contiguous float32 x by the float32 `scale` with fp8ops._cpu:
+    the multiply, clamp, rounding and transposed copy in one pass (csrc/per_tensor_cpu.cpp;
+    stochastic rounding: csrc/stochastic_cpu.cpp, then the byte transpose). Their clamp is
+    the identity where the tensor code skips it, and their NaN byte the canonical one."""
+    if not stochastic:
+        return tuple(torch.ops.fp8ops_cpu.cast_scaled(x, scale, fmt.dtype, transpose))
+    m = philox.MASK32
+    data = torch.ops.fp8ops_cpu.stochastic_round(x, fmt.dtype, seed & m, (seed >> 32) & m,
+                                                 offset & m, (offset >> 32) & m, scale)
+    data_t = torch.ops.fp8ops_cpu.transpose_bytes(_as_2d(data)) if transpose else \
+        data.new_empty((0,))
+    return data, data_t
+
+
 def rng_words(rng: torch.Tensor):
     """(seed, offset) of a random-stream tensor (int64 [seed, offset]), read on the host."""
     if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
@@ -230,6 +282,8 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     if data.dtype not in _BYTE_DTYPES or data.dim() != 2:
         raise ValueError(f"fp8ops: transpose_fp8: data must be a 2-D float8_e4m3fn, float8_e5m2 "
                          f"or uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+    if _on_host(data) and cpu_kernels.loaded():
+        return torch.ops.fp8ops_cpu.transpose_bytes(data)  # csrc/decode_cpu.cpp: tiled
     return data.t().clone(memory_format=torch.contiguous_format)
 
 
@@ -312,6 +366,14 @@ def _dequantize_mx_f32(data: torch.Tensor, scales: torch.Tensor, block_size: int
                        slot: Optional[str] = None) -> torch.Tensor:
     """dequantize_mx to float32, contiguous; into scratch `slot` when given."""
     axis = axis % data.dim()
+    if _on_host(data) and cpu_kernels.loaded() and data.dim() == 2 and axis == 1 and \
+            data.shape[1] % block_size == 0 and tuple(scales.shape) == \
+            (data.shape[0], data.shape[1] // block_size) and scales.dtype == torch.uint8:
+        # csrc/decode_cpu.cpp: one pass from data's own layout; it declines NaN bytes
+        out = scratch_like(slot, data, torch.float32) if slot is not None else \
+            torch.empty(data.shape, dtype=torch.float32)
+        if torch.ops.fp8ops_cpu.dequantize_mx(data, scales, block_size, out):
+            return out
     if not data.is_contiguous():  # bytes first: cheaper to transpose as FP8 than as float32
         data = scratch_like("mx_bytes", data).copy_(data) if slot else data.contiguous()
     xb = _split_axis(_fp8_to_f32(data, slot), block_size, axis)
@@ -384,7 +446,7 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, blo
         # blocks, element for element), then transpose the FP8 bytes rather than the floats
         data_t, scale_inv_t = _quantize_blockwise_2d(x2.t(), fmt, block_cols, block_rows,
                                                      power_of_two)
-        return data_t.t().contiguous().reshape(x.shape), scale_inv_t.t().contiguous()
+        return transpose_fp8(data_t).reshape(x.shape), scale_inv_t.t().contiguous()
     if not x2.is_contiguous():
         x2 = scratch_like("bw_x", x2).copy_(x2)
     data, scale_inv = _quantize_blockwise_2d(x2, fmt, block_rows, block_cols, power_of_two)
@@ -393,13 +455,12 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype, block_rows: int, blo
 
 def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: int,
                            power_of_two: bool):
-    """quantize_blockwise of a dense float32 [R, C]. On the CPU with fp8ops._cpu built, its
-    kernels (csrc/blockwise_cpu.cpp) make the two full-size passes: tile amax and the cast."""
-    kernels = _on_host(x2) and cpu_kernels.loaded()
-    if kernels:
-        amax_b = torch.ops.fp8ops_cpu.tile_amax(x2, block_rows, block_cols)
-    else:
-        amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
+    """quantize_blockwise of a dense float32 [R, C]. On the CPU with fp8ops._cpu built, one
+    kernel (csrc/blockwise_cpu.cpp) takes the tile amax, the scales and the cast."""
+    if _on_host(x2) and cpu_kernels.loaded():
+        return tuple(torch.ops.fp8ops_cpu.quantize_tiles(x2, fmt.dtype, block_rows, block_cols,
+                                                         power_of_two))
+    amax_b = _abs_max(_tiles(x2, block_rows, block_cols, 0.0), dim=(1, 3))
     if _on_host(amax_b) and not power_of_two:
         mult, scale_inv, nan_possible = _block_multipliers(amax_b, fmt)
     else:
@@ -407,11 +468,18 @@ def _quantize_blockwise_2d(x2: torch.Tensor, fmt, block_rows: int, block_cols: i
         bad = ~torch.isfinite(amax_b)
         mult, nan_possible = torch.where(bad, float("nan"), scale), _maybe(bad.any())
     # a block holding NaN or inf has a NaN multiplier, which makes all its data NaN
-    if kernels:
-        return torch.ops.fp8ops_cpu.cast_tiles(x2, mult.contiguous(), block_rows, block_cols,
-                                               fmt.dtype), scale_inv
     y = _times_block(x2, mult, block_rows, block_cols, out=scratch_like("cast_y", x2))
     return _rne_fp8(y, fmt, nan_possible, inplace=True), scale_inv
+
+
+def quantize_blockwise_pair_kernel(x: torch.Tensor, dtype: torch.dtype, power_of_two: bool):
+    """fused.quantize_blockwise_pair's two casts of a 2-D x in one C++ call that reads each
+    128-row panel of x once (csrc/blockwise_cpu.cpp): (data, scale_inv, data_t, scale_inv_t),
+    the scales with their rows contiguous; None off the CPU or without fp8ops._cpu."""
+    if not (_on_host(x) and cpu_kernels.loaded()):
+        return None
+    return tuple(torch.ops.fp8ops_cpu.quantize_blockwise_pair(_f32(x).contiguous(), dtype,
+                                                              power_of_two))
 
 
 def _block_multipliers(amax_b: torch.Tensor, fmt):
@@ -637,8 +705,25 @@ def _epilogue(acc: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     alpha = _f32(a_scale_inv) * _f32(b_scale_inv)
+    if _gemm_kernel(a, b, bias) and _dense(a) and _dense(b) and alpha.numel() == 1 and \
+            _on_host(alpha):
+        # csrc/gemm_cpu.cpp: both operands read in one pass, the same torch.mm, then alpha and
+        # the bias in one pass
+        acc = torch.ops.fp8ops_cpu.gemm(a, b, alpha, bias, _decode_buffer(a, "gemm_a"),
+                                        _decode_buffer(b, "gemm_b"))
+        return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
     return _epilogue((af @ bf.t()).mul_(alpha), bias, out_dtype)
+
+
+def _gemm_kernel(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a GEMM of a and b takes its fp8ops._cpu kernel (csrc/gemm_cpu.cpp)."""
+    return _on_host(a) and cpu_kernels.loaded() and a.dim() == b.dim() == 2 and \
+        a.shape[1] == b.shape[1] and (bias is None or tuple(bias.shape) == (b.shape[0],))
+
+
+# the most bytes of K blocks' partial sums the blockwise GEMM's CPU kernel keeps at once
+_PART_BYTES = 8 << 20
 
 
 def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -657,8 +742,19 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     as their partial sums do (the tensor cores sum in their own order)."""
     M, K = a.shape
     N = b.shape[0]
-    sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
     acc = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    if _gemm_kernel(a, b, bias) and M * N * K > 0 and _dense(a) and _dense(b):
+        # csrc/gemm_cpu.cpp: both operands read in one pass, the same torch.mm calls, a group of
+        # K blocks promoted in one pass (the bias with the last); it declines NaN scales and
+        # NaN bytes (the code below keeps their payloads)
+        n_kb = -(-K // 128)
+        group = min(n_kb - 1, max(1, _PART_BYTES // (M * N * 4)))
+        part = scratch("gemm_part", (group, M, N), torch.float32, a.device)
+        if torch.ops.fp8ops_cpu.gemm_blockwise(
+                a, b, _f32(a_scale_inv), _f32(b_scale_inv), bias, acc,
+                _decode_buffer(a, "gemm_a"), _decode_buffer(b, "gemm_b"), part):
+            return acc if out_dtype == torch.float32 else acc.to(out_dtype)
+    sb = b_scale_inv if b_scale_inv.shape[0] == N else b_scale_inv.repeat_interleave(128, 0)[:N]
     af, bf = _fp8_to_f32(a, "gemm_a"), _fp8_to_f32(b, "gemm_b")
     part = scratch("gemm_part", (M, N), torch.float32, a.device)
     scale = scratch("gemm_scale", (M, N), torch.float32, a.device)
@@ -680,6 +776,17 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
 def gemm_mx(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_size: int) -> torch.Tensor:
     """a [M,K], b [N,K], both with E8M0 scales along K: dequantize (exact) and accumulate in fp32."""
+    if _gemm_kernel(a, b, bias) and a.numel() and b.numel() and a.shape[1] % block_size == 0 \
+            and a_scales.dtype == b_scales.dtype == torch.uint8 and \
+            tuple(a_scales.shape) == (a.shape[0], a.shape[1] // block_size) and \
+            tuple(b_scales.shape) == (b.shape[0], b.shape[1] // block_size):
+        # csrc/gemm_cpu.cpp: both operands dequantized in one pass, the same torch.mm, the bias
+        # in one pass; it declines NaN bytes (the code below keeps their payloads)
+        acc = torch.empty(a.shape[0], b.shape[0], dtype=torch.float32)
+        if torch.ops.fp8ops_cpu.gemm_mx(a, a_scales, b, b_scales, block_size, bias, acc,
+                                        scratch_like("gemm_a", a, torch.float32),
+                                        scratch_like("gemm_b", b, torch.float32)):
+            return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     ad = _dequantize_mx_f32(a, a_scales, block_size, -1, "gemm_a")
     bd = _dequantize_mx_f32(b, b_scales, block_size, -1, "gemm_b")
     return _epilogue(ad @ bd.t(), bias, out_dtype)

@@ -1,6 +1,7 @@
 """The fused casts of the training step as the unfused ops they stand for: what they compute,
 exactly. They serve the CPU, and CUDA where the extension has no kernel of its own for them; a CUDA
-kernel of theirs is tested byte for byte against these.
+kernel of theirs is tested byte for byte against these. (On the CPU the blockwise pair is one call
+of fp8ops._cpu, which reads x once for both copies: the same bytes as the two casts.)
 
 A training step casts X and dY once each. Unfused, a per-tensor cast is a dozen small calls (amax,
 the scale formula, the cast, the delayed-scaling update and amax record), and a block cast two
@@ -13,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from .emulation import scale_from_amax
+from . import emulation
+from .emulation import quantize_blockwise_pair_kernel, scale_from_amax
 from ..formats import get_format
 
 _ops = torch.ops.fp8ops
@@ -37,8 +39,10 @@ def quantize_current(x: torch.Tensor, dtype: torch.dtype, margin: float, power_o
                      rng: Optional[torch.Tensor] = None):
     """Current scaling: scale = max / (amax(x) * margin) (1.0 for an amax of 0 or not finite),
     then the cast."""
-    scale = own_scale(x, get_format(dtype).max, margin, power_of_two)
-    data, data_t = cast(x, scale, dtype, transpose, stochastic, seed, offset, rng)[:2]
+    amax = _ops.amax(x)
+    scale = scale_from_amax(amax, torch.ones_like(amax), get_format(dtype).max, margin,
+                            power_of_two)
+    data, data_t = cast(x, scale, dtype, transpose, stochastic, seed, offset, rng, amax)[:2]
     return data, data_t, scale, torch.reciprocal(scale), column_sums(x, sum_dtype)
 
 
@@ -60,10 +64,15 @@ def step_role(amax_history, scale, scale_inv, amax_rep, pending_amax, step, fp8_
     torch._foreach_copy_([amax_history, scale, scale_inv, amax_rep, pending_amax], list(outs))
 
 
-def cast(x, scale, dtype, transpose, stochastic, seed, offset, rng):
+def cast(x, scale, dtype, transpose, stochastic, seed, offset, rng, x_amax=None):
     """ops.quantize; a stochastic cast that read its random stream from rng advances its
-    offset by one."""
-    out = _ops.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng)
+    offset by one. x_amax: ops.amax(x), taken already (on the CPU the cast then returns it
+    rather than reading x for it again)."""
+    if x_amax is not None and x.device.type == "cpu":
+        out = emulation.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng,
+                                 x_amax=x_amax)
+    else:
+        out = _ops.quantize(x, scale, dtype, transpose, stochastic, seed, offset, rng)
     if stochastic and rng is not None:
         rng[1:].add_(1)
     return out
@@ -103,6 +112,9 @@ def quantize_blockwise_pair(x: torch.Tensor, dtype: torch.dtype, power_of_two: b
     stored with their rows contiguous (scale_inv [M, Kb] in a [Kb, M] buffer): the layout the
     Hopper GEMM reads, so it needs no per-call copy."""
     _need_2d(x, "quantize_blockwise_pair")
+    pair = quantize_blockwise_pair_kernel(x, dtype, power_of_two)  # (the CPU: one C++ call)
+    if pair is not None:
+        return pair + (column_sums(x, sum_dtype),)
     data, scale_inv = _ops.quantize_blockwise(x, dtype, 1, 128, power_of_two)
     data_t, scale_inv_t = _ops.quantize_blockwise(x.t(), dtype, 1, 128, power_of_two)
     return (data, mn_major(scale_inv), data_t, mn_major(scale_inv_t),
@@ -124,7 +136,9 @@ def quantize_mx_pair(x: torch.Tensor, dtype: torch.dtype, block_size: int, rceil
     if block_size < 1:
         raise ValueError(f"fp8ops: quantize_mx_pair: block_size must be positive, got {block_size}")
     m, k = x.shape
-    xp = torch.nn.functional.pad(x, (0, -k % block_size, 0, -m % block_size))
+    # (padding makes a copy even when there is nothing to pad)
+    xp = torch.nn.functional.pad(x, (0, -k % block_size, 0, -m % block_size)) \
+        if (m % block_size or k % block_size) else x
     row, row_scales = _ops.quantize_mx(xp[:m], dtype, block_size, 1, rceil)
     col, col_scales = _ops.quantize_mx(xp, dtype, block_size, 0, rceil)
     return row, row_scales, col, col_scales, column_sums(x, sum_dtype)
