@@ -157,6 +157,25 @@ def test_gemm_matches_scaled_mm(pair, out_dtype, fast_accum, m):
            "vs torch._scaled_mm")
 
 
+
+@pytest.mark.parametrize("fast_accum", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scales_that_are_views_at_any_offset(fast_accum, with_bias):
+    """A scale may be a 0-dim view into a vector (a per-expert scale, s[g]) at any 4-byte
+    offset; cuBLASLt refuses a scale pointer that is not 16-byte aligned, so the op must not
+    hand it one. The bytes equal those from scales that own their memory. M = 300 is no
+    multiple of 16."""
+    qa, _, qb, _ = _operands(300, 128, 256, E4M3, E4M3, 77)
+    scales = torch.rand(8, device="cuda") + 0.5
+    bias = torch.randn(128, device="cuda") if with_bias else None
+    for i in range(1, 4):
+        sa, sb = scales[i], scales[i + 4]
+        assert sa.data_ptr() % 16 != 0
+        _poison()
+        out = torch.ops.fp8ops.gemm(qa, qb, sa, sb, bias, torch.bfloat16, fast_accum)
+        want = torch.ops.fp8ops.gemm(qa, qb, sa.clone(), sb.clone(), bias, torch.bfloat16, fast_accum)
+        assert torch.equal(out, want), i
+
 def _kernels(fn):
     """Names of the CUDA kernels fn launches."""
     from torch.profiler import ProfilerActivity, profile

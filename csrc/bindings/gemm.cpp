@@ -161,19 +161,23 @@ at::Tensor gemm_cutlass_sm90(const at::Tensor& a, const at::Tensor& b, const at:
 }
 
 // cc 8.9, 10.x+ and Hopper's promoted GEMMs: cuBLASLt through at::_scaled_mm (mat2 must be
-// column-major: b.t() of a row-major b). M, K and N are padded to 16 as its FP8 kernels require
-// (an M of 300 is refused with CUBLAS_STATUS_NOT_SUPPORTED; zero rows of A give rows that are
-// cropped). A bias is added here in float32 so the result is rounded once, like the emulation
-// (_scaled_mm would round before adding it).
+// column-major: b.t() of a row-major b). K and N are padded to 16 as its FP8 kernels require.
+// cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale whose address is not 16-byte aligned,
+// such as sa[g], a view into a per-expert vector: such a scale is copied. A bias is added here
+// in float32 so the result is rounded once, like the emulation (_scaled_mm would round before
+// adding it).
 at::Tensor gemm_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
                           const at::Tensor& sb, const std::optional<at::Tensor>& bias,
                           at::ScalarType out_dtype, bool fast_accum) {
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
-  const int64_t Mp = round_up(M, 16), Kp = round_up(K, 16), Np = round_up(N, 16);
-  at::Tensor ap = tma_operand(a, Mp, Kp), bp = tma_operand(b, Np, Kp);
+  const int64_t Kp = round_up(K, 16), Np = round_up(N, 16);
+  at::Tensor ap = tma_operand(a, M, Kp), bp = tma_operand(b, Np, Kp);
+  auto aligned = [](const at::Tensor& s) {
+    return reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0 ? s : s.clone();
+  };
   at::ScalarType mm_dtype = bias ? at::kFloat : out_dtype;
-  at::Tensor out = at::_scaled_mm(ap, bp.t(), sa, sb, std::nullopt, std::nullopt, mm_dtype, fast_accum);
-  if (Mp != M) out = out.narrow(0, 0, M);
+  at::Tensor out = at::_scaled_mm(ap, bp.t(), aligned(sa), aligned(sb), std::nullopt, std::nullopt,
+                                  mm_dtype, fast_accum);
   if (Np != N) out = out.narrow(1, 0, N);
   return bias ? finish(out, bias, out_dtype) : out.contiguous();
 }
