@@ -6,6 +6,7 @@ fp8ops._cpu), fused.py (the training step's one-call casts as the ops they fuse)
 (which implementation runs where) and gemm_mx_cuda.py (the MX GEMM on GPUs without a kernel of
 ours for it). The grouped ops of mixture-of-experts layers: grouped.py (schemas, fakes),
 emulation_grouped.py (their emulation) and expert_casts.py (an experts' weight cast per expert).
+block_sum.py: the sum of FP8 blocks at the receiving end of a reduction in FP8.
 
 CPU kernels come from `emulation`. CUDA kernels come from the C++ extension `fp8ops._C`
 (csrc/bindings/*.cpp, TORCH_LIBRARY_IMPL(fp8ops, CUDA, m)) when `backend.load_extension()`
@@ -17,7 +18,7 @@ import functools
 
 import torch
 
-from . import backend, emulation, expert_casts, fused, grouped
+from . import backend, block_sum, emulation, expert_casts, fused, grouped
 
 _lib = torch.library.Library("fp8ops", "DEF")
 _F32 = torch.float32
@@ -166,6 +167,8 @@ for _name in SCHEMAS:
 grouped.register(_lib, _without_grad)
 # the experts' weight casts (expert_casts.py; one C++ launch for all experts on CUDA)
 expert_casts.register(_lib, _without_grad)
+# the receiving end of a sum that travels in FP8 blocks (block_sum.py; fp8ops.distributed.wire)
+block_sum.register(_lib, _without_grad)
 
 
 # ----------------------------------------------------------------------------------------------
