@@ -1,15 +1,32 @@
 """FP8 training on torch.distributed's own engines, built on the layers: FSDP2's FP8 weight
-all-gather (fsdp/) and DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py). The
+all-gather (fsdp/), DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py) and
+gradient reductions in FP8 for FSDP2 and DDP (wire/: fp8_reduce_scatter, fp8_compress_hook). The
 layers learn of them only through hooks: fp8ops registers on_sharded_weight and
 on_sharded_experts in nn.sharding's hook lists. (The amax all-reduces the scaling states make,
 beneath the layers, are in fp8ops.scaling: amax_all_reduce.py, amax_reduction.py, agreement.py.)
-Public names are re-exported at fp8ops.* lazily, so that `import fp8ops` does not import
-torch.distributed.tensor."""
+Public names are re-exported at fp8ops.* lazily, and loaded here on first use, so that
+`import fp8ops` does not import torch.distributed.tensor."""
 
 
 import weakref
 
 from ..scaling.agreement import check_recipes
+
+# public names of the submodules that import torch.distributed's engines: loaded on first use
+_LAZY = {
+    "fp8_reduce_scatter": "wire", "FP8ReduceScatter": "wire", "fp8_compress_hook": "wire",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fp8ops.distributed' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 # layer -> the process groups (by id) whose ranks have compared its recipe
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
