@@ -2,6 +2,7 @@
 // of FP8 data, each with one float32 scale_inv per block of block_size contiguous elements, are
 // decoded and summed in row order in float32, divided, and written in the output dtype. One read
 // of each byte, one write of each output; bit-exact with fp8ops/ops/block_sum.py.
+#include "block_sum.h"
 #include "common.cuh"
 
 namespace fp8ops {

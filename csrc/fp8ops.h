@@ -174,20 +174,6 @@ struct DequantizeBlockwiseParams {
 };
 void launch_dequantize_blockwise(const DequantizeBlockwiseParams& p, cudaStream_t stream);
 
-// Decode and sum R rows of FP8 blocks (block_sum.cu): out[i] = (sum over r, in order, of
-// data[r, i] * scale_inv[r, i / block_size]) / divisor, float32 arithmetic, rounded once to
-// out_dtype. data [rows, cols], scale_inv [rows, blocks] float32, contiguous.
-struct DequantizeSumParams {
-  const uint8_t* data;
-  DType data_dtype;
-  int64_t rows, cols, blocks, block_size;
-  const float* scale_inv;
-  float divisor;
-  void* out;
-  DType out_dtype;
-};
-void launch_dequantize_sum(const DequantizeSumParams& p, cudaStream_t stream);
-
 // Delayed scaling: one step of the amax-history state machine (fp8ops.ops.emulation
 // .delayed_scale_update), one block, no host sync. Outputs may be the inputs themselves (an update
 // in place: every input is read before any output is written).

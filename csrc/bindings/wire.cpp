@@ -2,6 +2,7 @@
 // words of fp8ops/ops/block_sum.py), device guard, current stream, output.
 #include <cmath>
 
+#include "../block_sum.h"
 #include "common.h"
 
 namespace {
