@@ -7,7 +7,8 @@
 #   bash scripts/gpu_check.sh --quick         # at most 8 minutes, build included (below)
 #
 # --quick: a build for this GPU's architecture alone; the GPU tests of QUICK_TESTS (default: the
-# C++ layer step's, the grouped (MoE) GEMM kernel's and the MoE casts', the fused FP8AdamW
+# C++ layer step's, the FP8 reduction's (dequantize_sum, and the reduce-scatter and DDP hook on
+# NCCL with one process), the grouped (MoE) GEMM kernel's and the MoE casts', the fused FP8AdamW
 # step's, the statistics kernel's, the casts' and the layer's test files; time limit
 # QUICK_TEST_LIMIT: on an H200 with 16 cores they took 152 s) and racecheck of the shared-memory
 # kernels; then the figures the open performance goals need, most important first: the host
@@ -82,7 +83,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-210} 14 ${QUICK_TESTS:-tests/test_step_gpu.py tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_grouped_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-210} 14 ${QUICK_TESTS:-tests/test_step_gpu.py tests/test_block_sum_gpu.py tests/test_grouped_gpu.py tests/test_expert_casts_gpu.py tests/test_grouped_casts_gpu.py tests/test_fp8_adamw_gpu.py tests/test_monitor_gpu.py tests/test_cast_kernels_gpu.py tests/test_fused_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 
