@@ -1,4 +1,5 @@
-"""Bytes on the wire of one FSDP2 training step: FP8 weight all-gather against bf16 FSDP2.
+"""Bytes on the wire of one training step: FSDP2's FP8 weight all-gather against bf16 FSDP2, and
+the gradient reductions of FSDP2 and DDP in bf16, float32 and FP8.
 
     python bench/bench_comm.py                       # CPU, gloo, 2 processes
     python bench/bench_comm.py --world 4
@@ -29,7 +30,11 @@ FSDP2's per-parameter all-gather inputs; they add up with the other parameters t
 collectives' bytes, which the run checks), the same parameters in the bf16 row. All-gather bytes
 are output bytes (the whole gathered buffer, each rank's own shard included), reduce-scatter
 bytes input bytes (the unsharded gradient), as counted on rank 0 (every rank sends the same).
-Writes bench/results/comm.md (and comm.json) and prints the table. No timing.
+The gradient reductions (`--reductions`, bench/_comm_reductions.py): FSDP2's reduce-scatter in
+bf16, in float32 and in FP8 blocks (fp8ops.distributed.fp8_reduce_scatter), and DDP with torch's
+allreduce_hook (float32), bf16_compress_hook and fp8ops.distributed.fp8_compress_hook, each
+counted on the same step as a second table.
+Writes bench/results/comm.md (and comm.json) and prints the tables. No timing.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ for _p in (HERE, os.path.join(ROOT, "examples"), ROOT):
     if _p not in sys.path:
         sys.path.append(_p)
 import fp8ops  # noqa: E402
+import _comm_reductions  # noqa: E402
 from _comm_count import CommCount  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -97,7 +103,8 @@ def build(model_name, setup, device, world, seq_len, fresh_batches=True):
     random numbers in the step)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
-    recipe_name, _, gather = setup.partition(":")
+    reduction = _comm_reductions.parse(setup)
+    recipe_name, _, gather = ("current:fp8" if reduction else setup).partition(":")
     if model_name == "llama8b_block":
         # a block as FSDP2 shards it inside a model of many: its own fully_shard under a root,
         # resharded after forward (gathered again for backward)
@@ -121,10 +128,13 @@ def build(model_name, setup, device, world, seq_len, fresh_batches=True):
         # FP8 at every shape (no measured fallback): the two gathers feed the same FP8 GEMMs
         fp8ops.convert_to_fp8(model, RECIPES[recipe_name](), filter_fn=filter_fn,
                               fp8_all_gather=gather == "fp8", fallback="never")
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for block in blocks:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+    if reduction:
+        model = _comm_reductions.distribute(model, blocks, *reduction)
+    else:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for block in blocks:
+            fully_shard(block, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
 
     if model_name == "llama8b_block":
@@ -168,6 +178,7 @@ def measure(model_name, setup, device, world, seq_len):
     res["converted"] = converted
     res["fp8_gathered"] = fp8_gathered(model)
     res["seconds"] = time.perf_counter() - t0
+    res["engine"] = (_comm_reductions.parse(setup) or ("fsdp",))[0]
     if res["by_param"]:  # the per-parameter inputs add up to the collectives' bytes
         assert sum(res["by_param"].values()) == res["bytes"]["all_gather"], res
     del model, opt
@@ -245,6 +256,8 @@ def rows(results):
     """One dict per (model, setup), with ratios to the model's bf16 row."""
     out = []
     for (model_name, setup), r in results.items():
+        if _comm_reductions.parse(setup):
+            continue  # the gradient reductions' table
         base = results[model_name, "bf16"]
         recipe, _, gather = setup.partition(":")
         out.append(dict(
@@ -287,7 +300,14 @@ def table(results, args) -> str:
             f"{r['weight_bytes'] / 1e6:.4f} | {r['weight_ratio']:.4f} | {r['all_gather_calls']} | "
             f"{r['reduce_scatter_bytes'] / 1e6:.4f} | {r['all_reduce_calls']} | "
             f"{r['all_reduce_bytes']} | {r['all_gather_bytes']} |")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if any(_comm_reductions.parse(setup) for _, setup in results):
+        text += ("\nGradient reductions of the same step (CurrentScaling's FP8 Linears; FSDP2 "
+                 "with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=the gradients' dtype), "
+                 "DDP with a communication hook; gradient bytes: a reduce-scatter's and an "
+                 "all-to-all's input, an all-gather's output, an all-reduce's buffer twice; ratios "
+                 "against the same engine's bf16 row):\n\n" + _comm_reductions.table(results))
+    return text
 
 
 def parse_args(argv=None):
@@ -300,6 +320,9 @@ def parse_args(argv=None):
                    + ", ".join(RECIPES))
     p.add_argument("--gathers", default="bf16,fp8",
                    help="fp8_all_gather settings of the FP8 rows: bf16 (False), fp8 (True)")
+    p.add_argument("--reductions", default=",".join(_comm_reductions.SETUPS),
+                   help="gradient reductions to count, engine:sent-as (default: all of "
+                   + ", ".join(_comm_reductions.SETUPS) + "; 'none' for none)")
     p.add_argument("--seq-len", type=int, default=16, help="tokens of the Llama block's batch")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", default=os.path.join(HERE, "results", "comm.md"))
@@ -307,8 +330,10 @@ def parse_args(argv=None):
     args.models = [m for m in args.models.split(",") if m]
     args.recipes = [r for r in args.recipes.split(",") if r]
     args.gathers = [g for g in args.gathers.split(",") if g]
+    args.reductions = [r for r in args.reductions.split(",") if r and r != "none"]
     for what, got, allowed in (("model", args.models, MODELS), ("recipe", args.recipes, RECIPES),
-                               ("gather", args.gathers, ("bf16", "fp8"))):
+                               ("gather", args.gathers, ("bf16", "fp8")),
+                               ("reduction", args.reductions, _comm_reductions.SETUPS)):
         bad = [x for x in got if x not in allowed]
         if bad:
             p.error(f"unknown {what}(s) {bad}; choose from {list(allowed)}")
@@ -320,7 +345,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    jobs = [(m, s) for m in args.models for s in setups(args.recipes, args.gathers)]
+    jobs = [(m, s) for m in args.models for s in setups(args.recipes, args.gathers)
+            + [_comm_reductions.PREFIX + r for r in args.reductions]]
     results = run(jobs, args.world, args.backend, args.seq_len, args.threads)
     text = table(results, args)
     print("\n" + text)
@@ -331,7 +357,8 @@ def main(argv=None):
                     + text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(dict(args={k: v for k, v in vars(args).items() if k != "out"},
-                           torch=torch.__version__, rows=rows(results)), f, indent=1)
+                           torch=torch.__version__, rows=rows(results),
+                           reductions=_comm_reductions.rows(results)), f, indent=1)
     return results
 
 

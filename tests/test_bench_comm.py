@@ -41,3 +41,19 @@ def test_bench_comm_one_process_has_no_all_gather_ratio(tmp_path):
     rows = {r["recipe"]: r for r in bench_comm.rows(results)}
     assert all(r["all_gather_ratio"] != r["all_gather_ratio"] for r in rows.values())  # nan
     assert "| tiny | current | FP8 |" in out.read_text()
+
+
+def test_bench_comm_gradient_reductions(tmp_path):
+    """FP8 gradients: FSDP2's reduce-scatter and DDP's hook send at most 0.53x / 0.55x of the
+    bytes of their bf16 reductions (about 1.03 bytes a value against 2), and nothing else."""
+    out = tmp_path / "comm.md"
+    results = bench_comm.main(["--models", "tiny", "--recipes", "current", "--gathers", "fp8",
+                               "--out", str(out)])
+    rows = {(r["engine"], r["sent"]): r for r in bench_comm._comm_reductions.rows(results)}
+    assert set(rows) == {tuple(s.split(":")) for s in bench_comm._comm_reductions.SETUPS}
+    assert rows["fsdp", "float32"]["gradient_bytes"] == 2 * rows["fsdp", "bf16"]["gradient_bytes"]
+    assert rows["ddp", "float32"]["gradient_bytes"] == 2 * rows["ddp", "bf16"]["gradient_bytes"]
+    fsdp, ddp = rows["fsdp", "fp8"], rows["ddp", "fp8"]
+    assert 0.5 < fsdp["ratio"] <= 0.53 and fsdp["reduce_scatter_bytes"] == 0
+    assert 0.5 < ddp["ratio"] <= 0.55 and ddp["all_reduce_bytes"] == 0
+    assert "| tiny | FSDP | fp8 |" in out.read_text()
