@@ -63,7 +63,9 @@ prints the progress and writes results_fsdp.md, results_fsdp.json, loss_curves_f
 scaling_fsdp.png (from its own monitor: the scales and underflow of its slice's activations and
 gradients; a weight gathered in FP8 is cast shard by shard inside FSDP2's all-gather, which the
 monitor does not sample); peak memory and device state are rank 0's (its shards). --fsdp with
---offload is not supported yet.
+--offload is not supported yet. --fp8-reduce-scatter sends every run's gradients (the
+baseline's too) through FSDP2's reduce-scatter as FP8 blocks: about half the bytes of bf16
+(docs/distributed.md, "Gradients in FP8").
 
 --moe: the GPT with each block's MLP a mixture of experts (examples/moe.py): a router (an
 nn.Linear kept in high precision) sends each token to its top 2 of --experts (default 4) GELU
@@ -226,11 +228,16 @@ def parse_args(argv=None):
                         "(fp8ops.fp8_activations; 'attention': attention's q, k, v too)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 over the ranks of torchrun (see the module doc)")
+    p.add_argument("--fp8-reduce-scatter", action="store_true",
+                   help="with --fsdp: FSDP2 reduce-scatters the gradients of every run in FP8 "
+                        "blocks (fp8ops.distributed.fp8_reduce_scatter)")
     p.add_argument("--moe", action="store_true",
                    help="each block's MLP a top-2 mixture of --experts GELU experts, run as FP8 "
                         "grouped GEMMs by the current and blockwise recipes (see the module doc)")
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --moe)")
     args = p.parse_args(argv)
+    if args.fp8_reduce_scatter and not args.fsdp:
+        p.error("--fp8-reduce-scatter is a setting of --fsdp's gradient reduce-scatter")
     if args.fsdp and args.offload:
         p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
                 "FP32 masters, FSDP2 shards them): use one of them")
@@ -443,6 +450,8 @@ def run(name, args, train_tokens, val_batches, ranks):
             fp8ops.monitor(model, every=args.monitor_every)
     if ranks.fsdp:
         ranks.shard(model)
+        if args.fp8_reduce_scatter:  # every run's gradients, the baseline's too
+            fp8ops.distributed.fp8_reduce_scatter(model)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     opt_class = torch.optim.AdamW
     if args.optimizer == "fp8adamw":
@@ -532,6 +541,7 @@ def table(results, args, device, ranks):
            f"FP8 grouped GEMMs with current / delayed / blockwise, torchao's recipes with "
            f"torchao / torchao_mxfp8, else high precision) "
            if getattr(args, "moe", False) else "")
+    fp8_grads = "; gradients reduce-scattered in FP8 blocks" if args.fp8_reduce_scatter else ""
     head = (("GPT" if args.arch == "gpt" else "Llama-style") + f" d_model={args.d_model} "
             f"n_layer={args.n_layer} n_head={args.n_head} " + ffn * (args.arch == "llama") + moe +
             f"params={count_params(args) / 1e6:.1f}M seq_len={args.seq_len} "
@@ -542,7 +552,7 @@ def table(results, args, device, ranks):
             f"{optimizer_name(args)}; parameters {args.param_dtype}; fp8_activations "
             f"{args.fp8_activations}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
-               f"state of rank 0); " if ranks.fsdp else "") + "fp8ops backend="
+               f"state of rank 0{fp8_grads}); " if ranks.fsdp else "") + "fp8ops backend="
             f"{backend} ({backend.reason}); FP8: blocks' Linears only, fallback={args.fallback} "
             f"(embeddings and LM head in high precision); final train loss = mean of the last "
             f"{max(1, min(20, args.steps // 10))} steps; tokens/s over steps "
