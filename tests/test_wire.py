@@ -123,14 +123,22 @@ def test_reduce_scatter_turns_inf_into_nan_of_its_block(rs_results):
 # ---------------------------------------------------------------------------------------------
 # FSDP2
 # ---------------------------------------------------------------------------------------------
-def _model():
+def _model(recipes=None):
+    """recipes: {layer index: recipe}; default CurrentScaling at 0 and 5, the middle layer
+    left nn.Linear."""
     torch.manual_seed(0)
-    # 99 and 45 rows: uneven shards at world 2; a LayerNorm and biases; the middle layer stays
-    # nn.Linear (not converted)
+    # 99 and 45 rows: uneven shards at world 2; a LayerNorm and biases
     model = nn.Sequential(nn.Linear(64, 99), nn.LayerNorm(99), nn.GELU(), nn.Linear(99, 45),
                           nn.GELU(), nn.Linear(45, 16))
-    return fp8ops.convert_to_fp8(model, fp8ops.CurrentScaling(),
-                                 lambda m, fqn: fqn in ("0", "5"))
+    recipes = recipes or {0: fp8ops.CurrentScaling(), 5: fp8ops.CurrentScaling()}
+    for i, recipe in recipes.items():
+        fp8ops.convert_to_fp8(model, recipe, lambda m, fqn, i=i: fqn == str(i))
+    return model
+
+
+# every other recipe, for the training runs
+MIXED = {0: fp8ops.MXFP8Scaling(), 3: fp8ops.DelayedScaling(amax_history_len=4),
+         5: fp8ops.BlockwiseScaling()}
 
 
 def _batch(rank, step=0):
@@ -173,10 +181,10 @@ def _fsdp_worker(rank, out_dir):
                     F.mse_loss(model(x), y).backward()
                 res[reduce_dtype, fp8_ag, fp8_rs] = {"grads": _grads(model),
                                                      "count": count.summary()}
-    # training steps, twice from scratch: the same bits every time
+    # training steps of the other recipes, twice from scratch: the same bits every time
     runs = []
     for _ in range(2):
-        model = _sharded(_model(), True, torch.float32)
+        model = _sharded(_model(MIXED), True, torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(3):
@@ -240,7 +248,7 @@ def test_fp8_reduce_scatter_refuses_a_module_without_fsdp():
 
 @pytest.mark.parametrize("kwargs,match", [(dict(block_size=0), "block_size must be a positive"),
                                           (dict(block_size=1.5), "block_size must be a positive"),
-                                          (dict(fmt="e3m4"), "")])
+                                          (dict(fmt="e3m4"), "unknown FP8 format")])
 def test_bad_settings_are_clear_errors(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         fp8ops.distributed.FP8ReduceScatter(**kwargs)
