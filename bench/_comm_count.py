@@ -1,5 +1,5 @@
 """Count the collectives a piece of torch.distributed code sends: calls and bytes of all-gathers,
-reduce-scatters and all-reduces, as the c10d backend gets them.
+reduce-scatters, all-reduces and all-to-alls, as the c10d backend gets them.
 
     with CommCount() as count:
         loss = model(x).sum(); loss.backward(); opt.step()
@@ -10,7 +10,8 @@ It is a TorchDispatchMode that sees the c10d ops (`torch.ops.c10d._allgather_bas
 tensors. torch's own CommDebugMode sees the same ops but keeps only call counts. Bytes are those
 of the full buffer: an all-gather's output (what every rank holds afterwards, its own shard
 included), a reduce-scatter's input (the unsharded gradient every rank contributes), an
-all-reduce's tensors. Collectives issued from inside another tensor's __torch_dispatch__ (DTensor
+all-reduce's tensors, an all-to-all's input (what this rank sends, its own part included).
+Collectives issued from inside another tensor's __torch_dispatch__ (DTensor
 redistributions, e.g. clip_grad_norm_ over sharded gradients) are not seen: a dispatch mode is
 off while it handles an op. Functional collectives (`_c10d_functional`) called directly are.
 
@@ -38,8 +39,10 @@ _KINDS = {  # c10d op name (without overload) -> kind
     "c10d.allreduce_": "all_reduce", "c10d.allreduce_coalesced_": "all_reduce",
     "_c10d_functional.all_reduce": "all_reduce",
     "_c10d_functional.all_reduce_coalesced": "all_reduce",
+    "c10d.alltoall_base_": "all_to_all", "c10d.alltoall_": "all_to_all",
+    "_c10d_functional.all_to_all_single": "all_to_all",
 }
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "other")
 
 
 def _nbytes(x) -> int:
@@ -76,6 +79,8 @@ class CommCount(TorchDispatchMode):
                 self.bytes[kind] += _nbytes(args[1] if ns == "c10d" else args[0])
             elif kind == "all_reduce":
                 self.bytes[kind] += _nbytes(args[0])
+            elif kind == "all_to_all":  # the input: the second argument (c10d) or the first
+                self.bytes[kind] += _nbytes(args[1] if ns == "c10d" else args[0])
             out = func(*args, **kwargs)
             if kind == "all_gather" and ns == "_c10d_functional":
                 self.bytes[kind] += _nbytes(out)
