@@ -143,8 +143,6 @@ def reference(recipe, world):
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_trains_as_one_process(recipe, world):
-    if world == 4 and recipe == "current":
-        pytest.skip("world 4 runs blockwise only (4 processes are slow on a shared machine)")
     results = spawn(functools.partial(ep_worker, recipe=RECIPES[recipe], world=world),
                     world=world)
     ref_losses, ref_weights, initial = reference(RECIPES[recipe], world)
