@@ -75,13 +75,13 @@ def total_tokens(world):
     return sum(24 + 8 * r for r in range(world))
 
 
-def train(model, step_batch, world, steps=STEPS, on_forward=None):
+def train(model, step_batch, world, steps=STEPS, scale=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for step in range(steps):
         x, offsets, y = step_batch(step)[:3]
         loss = ((model(x, offsets) - y) ** 2).sum() / (total_tokens(world) * D_OUT)
-        loss.backward()
+        (loss * scale).backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
@@ -182,3 +182,125 @@ def test_trains_as_one_process(recipe, world):
             else:
                 assert torch.equal(cast.scale_inv, scale_inv[rank * local:(rank + 1) * local])
             assert torch.equal(local_offsets + lo, offsets[rank * local:(rank + 1) * local])
+
+
+def fsdp_worker(rank, out_dir, recipe):
+    """2 x 2: FSDP2 over 'dp' (each replica's experts sharded once more), experts over 'ep'."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = parallelize_module(make_model(recipe), mesh["ep"], fp8ops.FP8ExpertParallel())
+    for layer in (model.up, model.down):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    losses = train(model, lambda step: batch(step, rank), 4, scale=2)  # (FSDP2 averages over dp)
+    weights = {k: _full(v.detach()) for k, v in model.state_dict().items()}
+    return {"losses": losses, "weights": weights}
+
+
+@pytest.mark.parametrize("recipe", ["blockwise"])
+def test_fsdp2_on_the_data_parallel_dimension(recipe):
+    results = spawn(functools.partial(fsdp_worker, recipe=RECIPES[recipe]), world=4)
+    ref_losses, ref_weights, initial = reference(RECIPES[recipe], 4)
+    noise = float32_distance(RECIPES[recipe], 4, ref_weights)
+    ep_losses = sum(torch.stack(res["losses"]) for res in results)
+    assert torch.allclose(ep_losses, torch.stack(ref_losses), rtol=5e-3, atol=0)
+    for name, w in ref_weights.items():
+        got = results[0]["weights"][name]
+        assert all(torch.equal(res["weights"][name], got) for res in results[1:])
+        err = (got - w).norm()
+        assert 0 < noise[name] and err <= 1.5 * noise[name], (name, err, noise[name])
+
+
+def bytes_worker(rank, out_dir, recipe, fp8):
+    """all-to-all bytes this rank sends in the forward and in the backward of one step (bf16
+    tokens), with the rows it sends."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_module(make_model(recipe), mesh,
+                               fp8ops.FP8ExpertParallel(fp8_dispatch=fp8))
+    x, offsets, y, _ = batch(0, rank)
+    x = x.to(torch.bfloat16).requires_grad_()
+    with CommCount() as forward:
+        out = model(x, offsets)
+    with CommCount() as backward:
+        ((out.float() - y) ** 2).sum().backward()
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    return {"forward": forward.summary(), "backward": backward.summary(), "rows": x.shape[0]}
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_dispatch_bytes(recipe):
+    """The FP8 dispatch and the combine's FP8 gradient move <= 0.55x the bytes of bf16's; the
+    counts' all-to-all and the high-precision directions are unchanged."""
+    bf16 = spawn(functools.partial(bytes_worker, recipe=RECIPES[recipe], fp8=False), world=2)
+    fp8 = spawn(functools.partial(bytes_worker, recipe=RECIPES[recipe], fp8=True), world=2)
+    experts = torch.cat([batch(0, r)[3] for r in range(2)])
+    for rank in range(2):
+        rows, counts = bf16[rank]["rows"], EXPERTS * 8  # int64 counts per expert
+        held = (experts // (EXPERTS // 2) == rank).sum().item()  # rows its experts get
+        b_fwd, f_fwd = (r[rank]["forward"]["bytes"]["all_to_all"] for r in (bf16, fp8))
+        b_bwd, f_bwd = (r[rank]["backward"]["bytes"]["all_to_all"] for r in (bf16, fp8))
+        # a rank sends its tokens, and the outputs and input gradients of the rows it holds
+        combine, dispatch_grad = held * D_OUT * 2, held * D_IN * 2  # bf16 both setups
+        assert b_fwd == counts + rows * D_IN * 2 + combine  # counts, dispatch, combine
+        assert b_bwd == rows * D_OUT * 2 + dispatch_grad  # combine's gradient, dispatch's
+        dispatch = f_fwd - counts - combine
+        combine_grad = f_bwd - dispatch_grad
+        assert dispatch <= 0.55 * rows * D_IN * 2, (dispatch, rows)
+        assert combine_grad <= 0.55 * rows * D_OUT * 2, (combine_grad, rows)
+        assert fp8[rank]["forward"]["calls"]["all_to_all"] == 3  # counts, dispatch, combine
+        # current scaling agrees each expert's scale: one MAX all-reduce of [E] amaxes a way
+        reduce = 1 if recipe == "current" else 0
+        assert fp8[rank]["forward"]["calls"]["all_reduce"] == reduce
+        assert fp8[rank]["backward"]["calls"]["all_reduce"] == reduce
+        assert bf16[rank]["forward"]["calls"]["all_reduce"] == 0
+
+
+def errors_worker(rank, out_dir):
+    """The style's refusals, each as (type name, message)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (2,))
+    style = fp8ops.FP8ExpertParallel()
+    cases = {
+        "plain": lambda: parallelize_module(nn.Linear(4, 4), mesh, style),
+        "uneven": lambda: parallelize_module(make_model(RECIPES["current"], experts=3), mesh,
+                                             style),
+        "delayed": lambda: parallelize_module(make_model(fp8ops.DelayedScaling()), mesh,
+                                              style),
+        "2-D mesh": lambda: parallelize_module(
+            make_model(RECIPES["current"]),
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep")), style),
+    }
+    twice = parallelize_module(make_model(RECIPES["current"]), mesh, style)
+    cases["twice"] = lambda: parallelize_module(twice, mesh, style)
+    x, offsets, _, _ = batch(0, rank)
+    cases["offsets"] = lambda: twice(x, offsets.to(torch.int64))
+    cases["3-D input"] = lambda: twice(x[None], offsets)
+    out = {}
+    for name, case in cases.items():
+        try:
+            case()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 (the pytest process checks type and message)
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_bad_input_is_refused():
+    got = spawn(errors_worker, world=2)[0]
+    expected = {
+        "plain": ("TypeError", "holds none"),
+        "uneven": ("ValueError", "3 experts do not split evenly over the 2 ranks"),
+        "delayed": ("NotImplementedError", "CurrentScaling or BlockwiseScaling"),
+        "2-D mesh": ("ValueError", "1-D expert-parallel mesh"),
+        "twice": ("ValueError", "DTensor already"),
+        "offsets": ("ValueError", "int32 tensor of shape (4,)"),
+        "3-D input": ("ValueError", "must be 2-D"),
+    }
+    for name, (kind, words) in expected.items():
+        assert got[name] is not None and got[name][0] == kind and words in got[name][1], \
+            (name, got[name])
