@@ -4,13 +4,17 @@ over an expert-parallel mesh and moves its tokens in FP8.
     from torch.distributed.tensor.parallel import parallelize_module
     parallelize_module(experts, ep_mesh, fp8ops.FP8ExpertParallel())
 
-`experts` is an FP8GroupedLinear, or a module of FP8GroupedLinear layers (all with the same
-number of experts and recipe) whose forward(x, offsets) takes tokens sorted by expert (x [M, in],
-offsets int32 [E], as FP8GroupedLinear) and applies its layers to them row by row (e.g. up,
-an activation, down). Each layer's weight (and bias) becomes a DTensor sharded on its expert
-dimension (Shard(0)): rank r holds experts r * E / n ... (r + 1) * E / n - 1. The module keeps
-its forward's contract over all E experts: each rank passes its own tokens and offsets and gets
-their outputs back, in its order. In between (dispatch.py):
+`experts` is one of:
+  - an FP8GroupedLinear, or a module of FP8GroupedLinear layers (all with the same number of
+    experts and recipe) whose forward(x, offsets) takes tokens sorted by expert (x [M, in],
+    offsets int32 [E], as FP8GroupedLinear) and applies its layers to them row by row (e.g. up,
+    an activation, down);
+  - a transformers experts module converted by fp8ops.convert_to_fp8 (nn/hf_moe.py), whose
+    forward(hidden_states, top_k_index, top_k_weights) sorts the (token, expert) pairs itself.
+Each expert weight (and bias) becomes a DTensor sharded on its expert dimension (Shard(0)):
+rank r holds experts r * E / n ... (r + 1) * E / n - 1. The module keeps its forward's contract
+over all E experts: each rank passes its own tokens (and routing) and gets their outputs back,
+in its order. In between (dispatch.py):
   1. the counts per expert go to every rank (one all_to_all_single, read on the host once);
   2. the tokens travel to the ranks of their experts as the FP8 bytes and scales of the cast
      the first grouped GEMM reads (wire.py), which it reads there without a second cast;
@@ -35,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ...nn import hf_moe
 from ...nn.grouped import FP8GroupedLinear, grouped_linear
 from ..tensor_parallel import TP_WEIGHT
 from . import wire
@@ -55,11 +60,23 @@ def _layers(module: nn.Module) -> List[FP8GroupedLinear]:
     return layers
 
 
-def _check(module: nn.Module, layers: List[FP8GroupedLinear], mesh) -> None:
+def _check_mesh(mesh) -> None:
     if mesh is None or mesh.ndim != 1:
         raise ValueError(f"{_NAME} takes the 1-D expert-parallel mesh (e.g. mesh['ep'] of a "
                          f"2-D ('dp', 'ep') mesh), got a mesh with "
                          f"{None if mesh is None else mesh.ndim} dimensions")
+
+
+def _check_recipe_and_split(recipe, experts: int, mesh) -> None:
+    if not wire.takes(recipe):
+        raise NotImplementedError(f"{_NAME} takes CurrentScaling or BlockwiseScaling experts, "
+                                  f"not {recipe}")
+    if experts % mesh.size():
+        raise ValueError(f"{_NAME}: {experts} experts do not split evenly over the "
+                         f"{mesh.size()} ranks of the mesh")
+
+
+def _check(module: nn.Module, layers: List[FP8GroupedLinear], mesh) -> None:
     experts = {layer.num_experts for layer in layers}
     if len(experts) > 1:
         raise ValueError(f"{_NAME}: the FP8GroupedLinear layers of {type(module).__name__} "
@@ -70,13 +87,7 @@ def _check(module: nn.Module, layers: List[FP8GroupedLinear], mesh) -> None:
         raise ValueError(f"{_NAME}: the FP8GroupedLinear layers of {type(module).__name__} "
                          f"have different recipes ({recipes}); give them one")
     (recipe,), (num,) = recipes, experts
-    if not wire.takes(recipe):
-        raise NotImplementedError(f"{_NAME} takes CurrentScaling or BlockwiseScaling experts, "
-                                  f"not {recipe}")
-    world = mesh.size()
-    if num % world:
-        raise ValueError(f"{_NAME}: {num} experts do not split evenly over the {world} ranks "
-                         f"of the mesh")
+    _check_recipe_and_split(recipe, num, mesh)
     for layer in layers:
         if isinstance(layer.weight, DTensor):
             raise ValueError(f"{_NAME}: this FP8GroupedLinear's weight is a DTensor already "
@@ -130,6 +141,9 @@ class FP8ExpertParallel(ParallelStyle):
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _check_mesh(device_mesh)
+        if isinstance(module, nn.Module) and hf_moe.is_hf_experts(module):
+            return _apply_hf(self, module, device_mesh)
         layers = _layers(module)
         _check(module, layers, device_mesh)
         for layer in layers:
@@ -157,3 +171,46 @@ def _expert_forward(style: FP8ExpertParallel, mesh, first: FP8GroupedLinear, inn
     if rows < x.shape[0]:
         y = torch.cat([y, y.new_zeros(x.shape[0] - rows, *y.shape[1:])])
     return y
+
+
+# ----------------------------------------------------------------------------------------------
+# converted transformers experts modules
+# ----------------------------------------------------------------------------------------------
+_HF_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+              "down_proj_bias")
+
+
+def _apply_hf(style: FP8ExpertParallel, module: nn.Module, mesh) -> nn.Module:
+    if "fp8_recipe" not in module.__dict__:
+        raise TypeError(f"{_NAME}: this {type(module).__name__} is not converted to FP8; "
+                        f"convert it first (fp8ops.convert_to_fp8)")
+    _check_recipe_and_split(module.fp8_recipe, module.num_experts, mesh)
+    names = [n for n in _HF_PARAMS if isinstance(module._parameters.get(n), nn.Parameter)]
+    for name in names:
+        if isinstance(module._parameters[name], DTensor):
+            raise ValueError(f"{_NAME}: {type(module).__name__}.{name} is a DTensor already "
+                             f"(parallelized twice, or parallelize before fully_shard)")
+    if any(c.host is not None for c in module.__dict__.get("fp8_weight_caches", {}).values()):
+        raise ValueError(f"{_NAME}: this experts module's weights are owned by a "
+                         f"CPUOffloadOptimizer; parallelize before building the optimizer")
+    for name in names:
+        _shard(module, name, mesh, style.src_data_rank)
+    module.forward = functools.partial(_hf_forward, style, mesh, module, tuple(names))
+    module._distribute_module_applied = True
+    return module
+
+
+def _hf_forward(style: FP8ExpertParallel, mesh, module: nn.Module, names, hidden_states,
+                top_k_index, top_k_weights):
+    """The converted module's forward over all experts: its pairs sorted by expert, dispatched,
+    the local experts' projections, combined, weighted and summed per token."""
+    k = top_k_index.shape[1]
+    recipe, fp8 = module.fp8_recipe, style.fp8_dispatch
+    order, offsets = hf_moe.sort_by_expert(top_k_index, module.num_experts)
+    routing = exchange(offsets, mesh.get_group())
+    got = dispatch(hidden_states[order // k], offsets, routing, recipe, fp8)
+    params = {name: _local(getattr(module, name)) for name in names}
+    out = hf_moe.experts_rows(module, got, routing.local_offsets, params=params,
+                              input_cast=getattr(got, DISPATCHED, None))
+    out = combine(out, offsets, routing, recipe, fp8)
+    return hf_moe.weighted_sum(out, order, top_k_weights, hidden_states.dtype)
