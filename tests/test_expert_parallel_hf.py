@@ -1,8 +1,8 @@
 """FP8ExpertParallel on converted transformers experts modules (Mixtral: gated; GPT-OSS: stored
 [E, in, out], gate and up interleaved, biases), built from configs (no download), on gloo with
 2 CPU processes. Each rank routes tokens of its own; the outputs are those of the one-process
-converted module on all ranks' tokens, bit for bit (every row goes through the same casts and
-GEMMs), and the gradients are apart from the one-process ones by no more than FP8 moves them
+converted module on all ranks' tokens to float32 rounding (every row goes through the same
+casts; float32 GEMMs over another number of rows may round a last bit apart), and the gradients are apart from the one-process ones by no more than FP8 moves them
 from the module's own float32 forward."""
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_hf_experts(name, recipe):
     outs, dxs, grads = one_process(experts)
     _, plain_dxs, plain_grads = one_process(plain)
     for rank, res in enumerate(results):
-        assert torch.equal(res["out"], outs[rank])
+        assert torch.allclose(res["out"], outs[rank], rtol=1e-5, atol=1e-6)
         noise = (plain_dxs[rank] - dxs[rank]).norm()
         assert (res["dx"] - dxs[rank]).norm() <= 1.5 * noise
     for n, g in grads.items():
