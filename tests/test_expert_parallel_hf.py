@@ -2,8 +2,10 @@
 [E, in, out], gate and up interleaved, biases), built from configs (no download), on gloo with
 2 CPU processes. Each rank routes tokens of its own; the outputs are those of the one-process
 converted module on all ranks' tokens to float32 rounding (every row goes through the same
-casts; float32 GEMMs over another number of rows may round a last bit apart), and the gradients are apart from the one-process ones by no more than FP8 moves them
-from the module's own float32 forward."""
+casts; float32 GEMMs over another number of rows may round a last bit apart), and the
+gradients are apart from the one-process ones by no more than FP8 moves them from the module's
+own float32 forward; the down projection's bias sums the combine's gradient as it arrived in
+FP8, so its gradient is bounded by E5M2's rounding of those values instead."""
 from __future__ import annotations
 
 import copy

@@ -64,8 +64,7 @@ def dispatch(rows: torch.Tensor, offsets: torch.Tensor, routing: Routing, recipe
     """rows [M, K] sorted by expert (offsets int32 [E], M = offsets[-1]) -> the rows of this
     rank's experts from every rank, sorted by local expert (routing.local_offsets); with fp8,
     they carry their cast (attribute DISPATCHED)."""
-    out = _Dispatch.apply(rows, offsets, routing, recipe, fp8)
-    return out
+    return _Dispatch.apply(rows, offsets, routing, recipe, fp8)
 
 
 def combine(rows: torch.Tensor, offsets: torch.Tensor, routing: Routing, recipe,
