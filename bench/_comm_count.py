@@ -10,7 +10,8 @@ It is a TorchDispatchMode that sees the c10d ops (`torch.ops.c10d._allgather_bas
 tensors. torch's own CommDebugMode sees the same ops but keeps only call counts. Bytes are those
 of the full buffer: an all-gather's output (what every rank holds afterwards, its own shard
 included), a reduce-scatter's input (the unsharded gradient every rank contributes), an
-all-reduce's tensors, an all-to-all's input (what the rank sends, its own part included). Collectives issued from inside another tensor's __torch_dispatch__ (DTensor
+all-reduce's tensors, an all-to-all's input (what this rank sends, its own part included).
+Collectives issued from inside another tensor's __torch_dispatch__ (DTensor
 redistributions, e.g. clip_grad_norm_ over sharded gradients) are not seen: a dispatch mode is
 off while it handles an op. Functional collectives (`_c10d_functional`) called directly are.
 

@@ -60,6 +60,7 @@ _LAZY = {
     "FP8ColwiseParallel": "fp8ops.distributed.tensor_parallel",
     "FP8RowwiseParallel": "fp8ops.distributed.tensor_parallel",
     "PrepareFP8ModuleInput": "fp8ops.distributed.tensor_parallel",
+    "FP8ExpertParallel": "fp8ops.distributed.expert_parallel",
 }
 
 

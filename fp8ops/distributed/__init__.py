@@ -1,6 +1,7 @@
 """FP8 training on torch.distributed's own engines, built on the layers: FSDP2's FP8 weight
-all-gather (fsdp/), DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py) and
-gradient reductions in FP8 for FSDP2 and DDP (wire/: fp8_reduce_scatter, fp8_compress_hook). The
+all-gather (fsdp/), DTensor tensor-parallel styles for FP8Linear (tensor_parallel.py),
+gradient reductions in FP8 for FSDP2 and DDP (wire/: fp8_reduce_scatter, fp8_compress_hook) and
+expert parallelism with FP8 token dispatch (expert_parallel/: FP8ExpertParallel). The
 layers learn of them only through hooks: fp8ops registers on_sharded_weight and
 on_sharded_experts in nn.sharding's hook lists. (The amax all-reduces the scaling states make,
 beneath the layers, are in fp8ops.scaling: amax_all_reduce.py, amax_reduction.py, agreement.py.)
@@ -15,6 +16,7 @@ from ..scaling.agreement import check_recipes
 # public names of the submodules that import torch.distributed's engines: loaded on first use
 _LAZY = {
     "fp8_reduce_scatter": "wire", "FP8ReduceScatter": "wire", "fp8_compress_hook": "wire",
+    "FP8ExpertParallel": "expert_parallel",
 }
 
 

@@ -37,6 +37,9 @@ they are (current, delayed and blockwise scaling; delayed scaling steps and reco
 unsharded layer does, each rank casting its experts with their slice of the role's scales).
 When a CPUOffloadOptimizer owns the weight, the parameter is a placeholder and the cache casts
 the host master's values (optim/host_weight.py), once per optimizer step, as for a dense layer.
+An input cast made before the call (input_cast, a grouped_quantizers.RowsCast: the bytes and
+scales of X's forward cast, which expert parallelism makes on the rank that routes the tokens
+and sends) is used as it is: the forward GEMM reads those bytes, not a second cast.
 Not here yet: MXFP8 and stochastic rounding.
 """
 from __future__ import annotations
@@ -54,7 +57,7 @@ from . import caches
 from .autograd import (first_order_only, in_recompute, is_gathered, output_dtype, steps_state,
                        weight_grad)
 from .functional import check_operands
-from .grouped_quantizers import grouped_quantizer_for
+from .grouped_quantizers import RowsCast, grouped_quantizer_for
 from .quantizers import quantizer_type
 from .sharding import SHARDED_WEIGHT_HOOKS, is_dtensor
 
@@ -161,13 +164,17 @@ class GroupedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def _grouped(x, weight, bias, offsets, quantizer, out_dtype, cache, state, host):
-    """The experts' cast, then X's (stepping and recording a delayed-scaling state when live),
-    the gradient's warm start decided here (delayed scaling) so that a recompute sees the same,
-    as the dense layer (Quantizer.linear)."""
+def _grouped(x, weight, bias, offsets, quantizer, out_dtype, cache, state, host,
+             input_cast=None):
+    """The experts' cast, then X's (stepping and recording a delayed-scaling state when live;
+    input_cast's bytes when given), the gradient's warm start decided here (delayed scaling) so
+    that a recompute sees the same, as the dense layer (Quantizer.linear)."""
     live = state is not None and steps_state(state)
     w_cast = _cast_experts(weight, quantizer, cache, state, host)
-    x_cast = quantizer.cast_rows(x, offsets, state, live)
+    if input_cast is None:
+        x_cast = quantizer.cast_rows(x, offsets, state, live)
+    else:
+        x_cast = quantizer.rows_from_cast(x, offsets, input_cast)
     if live:
         state.warm["grad"] = not state.grad.started
     y = GroupedLinearFunction.apply(x, weight, bias, offsets, quantizer, out_dtype, w_cast,
@@ -200,6 +207,20 @@ def _check(x, weight, offsets, bias) -> None:
                          f"out_features], got {tuple(bias.shape)}")
 
 
+def _check_input_cast(cast, x, offsets, quantizer) -> None:
+    if not isinstance(cast, RowsCast):
+        raise TypeError(f"input_cast must be an fp8ops.nn.grouped_quantizers.RowsCast, got "
+                        f"{type(cast).__name__}")
+    if cast.data.shape != x.shape or cast.data.dtype != quantizer.fwd.dtype:
+        raise ValueError(f"input_cast.data must be {quantizer.fwd.dtype} of the input's shape "
+                         f"{tuple(x.shape)}, got {cast.data.dtype} {tuple(cast.data.shape)}")
+    block = quantizer.scale_block
+    rows = (offsets.shape[0],) if block is None else (x.shape[0], -(-x.shape[1] // block))
+    if tuple(cast.scale_inv.shape) != rows:
+        raise ValueError(f"input_cast.scale_inv must have shape {rows} for "
+                         f"{type(quantizer.recipe).__name__}, got {tuple(cast.scale_inv.shape)}")
+
+
 def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
     if not isinstance(state, ExpertScalingState):
         raise TypeError(f"state must be an fp8ops.nn.grouped.ExpertScalingState, got "
@@ -217,7 +238,8 @@ def _check_state(state, recipe, weight: torch.Tensor, weight_cache) -> None:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                    bias: Optional[torch.Tensor] = None, *, recipe=None,
                    weight_cache: Optional[WeightCache] = None,
-                   state: Optional[ExpertScalingState] = None) -> torch.Tensor:
+                   state: Optional[ExpertScalingState] = None,
+                   input_cast: Optional[RowsCast] = None) -> torch.Tensor:
     """y_g = x_g @ weight[g].T (+ bias[g]) for each expert g, with FP8 GEMMs in forward and
     backward. x [M, in] sorted by expert, weight [E, out, in], offsets int32 [E] (expert g's
     rows end at offsets[g]; rows past offsets[-1] give zero rows), bias [E, out] or None.
@@ -227,7 +249,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     WeightCache (one per weight) that keeps the experts' FP8 cast between calls under the dense
     layers' reuse rule (module doc); None: cast every call. DelayedScaling needs `state`
     (ExpertScalingState(recipe, E)), which holds each expert's amax histories and its own weight
-    cache (used here; recipe may then be left out)."""
+    cache (used here; recipe may then be left out). input_cast: x's forward cast made before
+    (grouped_quantizers.RowsCast: the bytes and scales this call would make, e.g. sent by
+    expert parallelism), used as it is instead of casting x; x then carries the gradient and,
+    for BlockwiseScaling, the values wgrad's transposed copy is cast from (CurrentScaling and
+    BlockwiseScaling only)."""
     _check(x, weight, offsets, bias)
     if state is not None:
         _check_state(state, recipe, weight, weight_cache)
@@ -237,6 +263,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
         raise ValueError("DelayedScaling keeps an amax history per expert: pass "
                          "state=ExpertScalingState(recipe, num_experts) (FP8GroupedLinear does "
                          "this for you)")
+    if input_cast is not None:
+        _check_input_cast(input_cast, x, offsets, quantizer)
     host = None if weight_cache is None else weight_cache.host
     if weight_cache is not None and torch.compiler.is_compiling():
         weight_cache = None  # (a compiled call casts every time, from the host master if any)
@@ -244,12 +272,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     device = x.device.type
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return _grouped(x, weight, bias, offsets, quantizer, out_dtype, weight_cache, state,
-                        host)
+                        host, input_cast)
     # the output's dtype is decided; nothing inside is autocast's to retype (it would refuse to
     # stack FP8 tensors), also when x already comes in autocast's dtype
     with torch.autocast(device, enabled=False):
         return _grouped(x, weight, bias, offsets, quantizer, out_dtype, weight_cache, state,
-                        host)
+                        host, input_cast)
 
 
 class FP8GroupedLinear(nn.Module):

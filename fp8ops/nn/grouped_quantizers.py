@@ -4,12 +4,16 @@ experts' grouped ones, which grouped.py's one autograd Function asks for.
   cast_experts(state)                     the experts' weight cast (weight_cache.Cast), all at once
   cast_rows(x, offsets, state, live)      X by groups, with its transposed copy for wgrad
   cast_grad_rows(dy, offsets, ...)        dY by groups (the transposed copy when wgrad runs)
+  rows_from_cast(x, offsets, cast)        X's cast from its forward bytes made elsewhere
+                                          (RowsCast: expert parallelism sends them)
   grouped_forward / grouped_dgrad / grouped_wgrad
                                           the three grouped GEMMs on those casts
 Current scaling scales each group by its own amax, delayed scaling each group by its expert's
 role (ExpertScalingState), blockwise scaling casts 1x128 blocks within each group.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +27,16 @@ from .quantizers import (BlockwiseQuantizer, CurrentQuantizer, DelayedQuantizer,
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
+
+
+class RowsCast(NamedTuple):
+    """The forward operand of X's cast by groups, made before grouped_linear (expert parallelism
+    casts the tokens on the rank that routes them and sends these bytes): data [M, K] in the
+    recipe's forward format and scale_inv, [E] (a scale per group, current scaling) or [M, Kb]
+    (1x128 blocks, blockwise scaling), as cast_rows would make them."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
 
 
 class _PerTensorGEMMs:
@@ -63,6 +77,10 @@ class GroupedCurrent(_PerTensorGEMMs, _ExpertsFromOwnValues, CurrentQuantizer):
             x, offsets, self.fwd.dtype, self.recipe.margin, self.recipe.power_of_two, True)
         return data, data_t, scale_inv
 
+    def rows_from_cast(self, x, offsets, cast: RowsCast):
+        """The given bytes, and their transpose for wgrad (a scale per group: the same bytes)."""
+        return cast.data, _ops.transpose_fp8(cast.data), cast.scale_inv
+
     def cast_grad_rows(self, dy, offsets, state, grad_warm: bool, need_dw: bool):
         data, data_t, _, scale_inv = _ops.quantize_current_grouped(
             dy, offsets, self.bwd.dtype, grad_margin(self.recipe), self.recipe.power_of_two,
@@ -96,6 +114,11 @@ class GroupedDelayed(_PerTensorGEMMs, DelayedQuantizer):
             return (recipe, (data, data_t, torch.reciprocal(scale))), scale
         return cast
 
+    def rows_from_cast(self, x, offsets, cast: RowsCast):
+        raise NotImplementedError("an input cast made before grouped_linear takes CurrentScaling "
+                                  "or BlockwiseScaling, not DelayedScaling (its scales are "
+                                  "stepped and recorded by the layer's own cast)")
+
     def cast_rows(self, x, offsets, state: ExpertScalingState, live: bool):
         return cast_rows(x, offsets, state, "input", self.fwd, self.recipe, self.recipe.margin,
                          update=live, warm=takes_warm_scale(state, "input", live), record=live,
@@ -122,6 +145,13 @@ class GroupedBlockwise(_ExpertsFromOwnValues, BlockwiseQuantizer):
     def cast_rows(self, x, offsets, state, live: bool):
         return _ops.quantize_blockwise_grouped(x, offsets, self.fwd.dtype,
                                                self.recipe.power_of_two)
+
+    def rows_from_cast(self, x, offsets, cast: RowsCast):
+        """The given 1x128 bytes and scales; the transposed copy for wgrad (blocks along M,
+        which the rows' blocks do not give) cast from x, the values the bytes stand for."""
+        _, _, data_t, scale_inv_t = _ops.quantize_blockwise_grouped(x, offsets, self.fwd.dtype,
+                                                                    self.recipe.power_of_two)
+        return cast.data, cast.scale_inv, data_t, scale_inv_t
 
     def cast_grad_rows(self, dy, offsets, state, grad_warm: bool, need_dw: bool):
         return _ops.quantize_blockwise_grouped(dy, offsets, self.bwd.dtype,

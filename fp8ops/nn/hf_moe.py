@@ -210,8 +210,8 @@ class _FP8Forward:
         return fp8_experts_forward(self.mod, hidden_states, top_k_index, top_k_weights)
 
 
-def _weight(mod: nn.Module, name: str) -> torch.Tensor:
-    w = getattr(mod, name)
+def _weight(mod: nn.Module, name: str, params: Optional[dict] = None) -> torch.Tensor:
+    w = getattr(mod, name) if params is None else params[name]
     return w.transpose(1, 2) if mod.is_transposed else w  # [E, out, in]
 
 
@@ -226,6 +226,49 @@ def _scaling(mod: nn.Module, name: str, caches: dict) -> dict:
     return {"state": state}
 
 
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple:
+    """The (token, slot) pairs sorted by expert: (order, offsets int32 [E]); pair p of the
+    sorted rows is token order[p] // k."""
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)  # the pairs sorted by expert
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+def experts_rows(mod: nn.Module, x: torch.Tensor, offsets: torch.Tensor, *,
+                 params: Optional[dict] = None, input_cast=None) -> torch.Tensor:
+    """The experts on rows sorted by expert: the up (and gate) projection, the gating, the down
+    projection (and the module's post-expert norm). params: the tensors to use for the module's
+    parameters by name (the local experts under expert parallelism, cast every call: no weight
+    cache); input_cast: x's forward cast made before (grouped_linear's)."""
+    gated = getattr(mod, "has_gate", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    bias = getattr(mod, "has_bias", False)
+    own = params is None
+    caches = mod.__dict__.get("fp8_weight_caches", {}) if own else {}
+    get = (lambda name: getattr(mod, name)) if own else params.__getitem__
+    h = grouped_linear(x, _weight(mod, up_name, params), offsets,
+                       get(up_name + "_bias") if bias else None, recipe=mod.fp8_recipe,
+                       input_cast=input_cast, **_scaling(mod, up_name, caches))
+    h = mod._apply_gate(h) if gated else mod.act_fn(h)
+    out = grouped_linear(h, _weight(mod, "down_proj", params), offsets,
+                         get("down_proj_bias") if bias else None, recipe=mod.fp8_recipe,
+                         **_scaling(mod, "down_proj", caches))
+    if getattr(mod, "has_post_expert_norm", False):
+        out = mod.post_expert_norm(out)
+    return out
+
+
+def weighted_sum(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The sorted pairs' outputs times their routing weights, each token's k summed."""
+    tokens, k = top_k_weights.shape
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
+    return unsorted.view(tokens, k, -1).sum(dim=1).to(dtype)
+
+
 def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' forward with FP8 grouped GEMMs: each token's k (token, expert) pairs sorted
@@ -233,26 +276,7 @@ def fp8_experts_forward(mod: nn.Module, hidden_states: torch.Tensor, top_k_index
     weights, and each token's k results summed."""
     if _AWAITING and not torch.compiler.is_compiling():
         _stop_awaiting(mod)  # (it runs unsharded, or was handed over already)
-    tokens, k = top_k_index.shape
-    experts = top_k_index.reshape(-1)
-    order = torch.argsort(experts, stable=True)  # the pairs sorted by expert
-    counts = torch.zeros(mod.num_experts, dtype=torch.int64, device=experts.device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    offsets = counts.cumsum(0).to(torch.int32)
-    x = hidden_states[order // k]
-    gated = getattr(mod, "has_gate", True)
-    up_name = "gate_up_proj" if gated else "up_proj"
-    bias = getattr(mod, "has_bias", False)
-    caches = mod.__dict__.get("fp8_weight_caches", {})
-    h = grouped_linear(x, _weight(mod, up_name), offsets,
-                       getattr(mod, up_name + "_bias") if bias else None, recipe=mod.fp8_recipe,
-                       **_scaling(mod, up_name, caches))
-    h = mod._apply_gate(h) if gated else mod.act_fn(h)
-    out = grouped_linear(h, _weight(mod, "down_proj"), offsets,
-                         mod.down_proj_bias if bias else None, recipe=mod.fp8_recipe,
-                         **_scaling(mod, "down_proj", caches))
-    if getattr(mod, "has_post_expert_norm", False):
-        out = mod.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
-    return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    k = top_k_index.shape[1]
+    order, offsets = sort_by_expert(top_k_index, mod.num_experts)
+    out = experts_rows(mod, hidden_states[order // k], offsets)
+    return weighted_sum(out, order, top_k_weights, hidden_states.dtype)
