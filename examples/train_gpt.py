@@ -10,6 +10,8 @@ baseline, tokens/s, memory.
     python examples/train_gpt.py --optimizer fp8adamw   # fp8ops.FP8AdamW: moments in FP8
     python examples/train_gpt.py --optimizer fp8adamw --param-dtype bfloat16 --fp8-activations on
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp   # sharded, FSDP2
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp --fp8-reduce-scatter
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --moe --ep 2   # experts split
     python examples/train_gpt.py --moe --recipes baseline,current,blockwise   # mixture of experts
     python examples/train_gpt.py --moe --recipes baseline,current,torchao     # and torchao's recipe
 
@@ -67,6 +69,12 @@ monitor does not sample); peak memory and device state are rank 0's (its shards)
 baseline's too) through FSDP2's reduce-scatter as FP8 blocks: about half the bytes of bf16
 (docs/distributed.md, "Gradients in FP8").
 
+--ep N (with --moe, under torchrun --nproc_per_node=N): each block's experts split over the N
+ranks by fp8ops.FP8ExpertParallel, their tokens dispatched in FP8 (examples/expert_parallel.py);
+every rank trains on its slice of each batch as under --fsdp, and writes results_epN.md etc.
+Recipes: baseline (its experts replicated: FP8ExpertParallel takes FP8 experts), current,
+current_stochastic, blockwise.
+
 --moe: the GPT with each block's MLP a mixture of experts (examples/moe.py): a router (an
 nn.Linear kept in high precision) sends each token to its top 2 of --experts (default 4) GELU
 MLPs of the dense MLP's size, held as 3-D parameters up_proj [E, 4 d_model, d_model] and
@@ -108,6 +116,7 @@ from data import VOCAB_SIZE, Batches, fixed_batches, load_tokens  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 import scaling_report  # noqa: E402
+import expert_parallel  # noqa: E402
 import torchao_moe  # noqa: E402  (imports torchao only when its recipes run)
 
 RECIPES = {
@@ -235,6 +244,9 @@ def parse_args(argv=None):
                    help="each block's MLP a top-2 mixture of --experts GELU experts, run as FP8 "
                         "grouped GEMMs by the current and blockwise recipes (see the module doc)")
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --moe)")
+    p.add_argument("--ep", type=int, default=0, metavar="N",
+                   help="with --moe under torchrun --nproc_per_node=N: each block's experts split "
+                        "over the N ranks, tokens dispatched in FP8 (see the module doc)")
     args = p.parse_args(argv)
     if args.fp8_reduce_scatter and not args.fsdp:
         p.error("--fp8-reduce-scatter is a setting of --fsdp's gradient reduce-scatter")
@@ -242,8 +254,8 @@ def parse_args(argv=None):
         p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
                 "FP32 masters, FSDP2 shards them): use one of them")
     for k, v in SIZES[args.size].items():
-        # under --fsdp each rank keeps torchrun's threads (one per process on a shared CPU)
-        if getattr(args, k) is None and not (k == "threads" and args.fsdp):
+        # under --fsdp or --ep each rank keeps torchrun's threads (one per process on a shared CPU)
+        if getattr(args, k) is None and not (k == "threads" and (args.fsdp or args.ep)):
             setattr(args, k, v)
     if args.moe and args.arch == "llama":
         p.error("--moe takes --arch gpt (examples/moe.py's experts are GELU MLPs)")
@@ -261,6 +273,16 @@ def parse_args(argv=None):
                 "for torchao's GPU kernels)")
     if torchao and torchao_moe.missing():
         p.error(f"recipe(s) {torchao} need torchao: {torchao_moe.missing()}")
+    if args.ep:
+        if not args.moe or args.fsdp or args.offload:
+            p.error("--ep N takes --moe, and neither --fsdp nor --offload")
+        if args.experts % args.ep:
+            p.error(f"--ep {args.ep}: --experts {args.experts} does not split evenly over the ranks")
+        if args.recipes == [r.strip() for r in p.get_default("recipes").split(",")]:
+            args.recipes = [r for r in args.recipes if r in expert_parallel.RECIPES]
+        other = [r for r in args.recipes if r not in expert_parallel.RECIPES]
+        if other:
+            p.error(f"--ep: recipe(s) {other} not taken; choose from {list(expert_parallel.RECIPES)}")
     return args
 
 
@@ -314,13 +336,15 @@ class PeakMemory:
 # data parallel (--fsdp)
 # ---------------------------------------------------------------------------------------------
 class Ranks:
-    """This process's place in the data-parallel group: one process (rank 0 of 1) without --fsdp;
-    with it, the torch.distributed group torchrun set up (gloo on CPU, NCCL on CUDA)."""
+    """This process's place in the data-parallel group: one process (rank 0 of 1) without --fsdp
+    or --ep; with either, the torch.distributed group torchrun set up (gloo on CPU, NCCL on
+    CUDA)."""
 
     def __init__(self, args):
-        self.fsdp, self.rank, self.world = args.fsdp, 0, 1
+        self.fsdp, self.ep, self.rank, self.world = args.fsdp, args.ep, 0, 1
+        self.distributed = bool(args.fsdp or args.ep)
         self.device = torch.device(args.device)
-        if not self.fsdp:
+        if not self.distributed:
             return
         import torch.distributed as dist
         self.dist = dist
@@ -335,9 +359,13 @@ class Ranks:
             kwargs["device_id"] = self.device
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", **kwargs)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if args.ep and self.world != args.ep:
+            self.close()
+            sys.exit(f"--ep {args.ep} runs under torchrun --nproc_per_node={args.ep}, not "
+                     f"{self.world} processes")
         if args.batch_size % self.world:
             self.close()
-            sys.exit(f"--fsdp: batch_size {args.batch_size} does not divide by the world size "
+            sys.exit(f"--fsdp / --ep: batch_size {args.batch_size} does not divide by the world size "
                      f"{self.world}: every rank takes an equal slice of each batch")
 
     @property
@@ -368,7 +396,7 @@ class Ranks:
     def close(self, ok=False):
         """Leave the group: after a barrier when every rank finished (ranks other than 0 would
         otherwise tear down their connections while rank 0 still writes its outputs)."""
-        if self.fsdp and self.dist.is_initialized():
+        if self.distributed and self.dist.is_initialized():
             if ok:
                 self.dist.barrier()
             self.dist.destroy_process_group()
@@ -452,6 +480,8 @@ def run(name, args, train_tokens, val_batches, ranks):
         ranks.shard(model)
         if args.fp8_reduce_scatter:  # every run's gradients, the baseline's too
             fp8ops.distributed.fp8_reduce_scatter(model)
+    if ranks.ep and recipe is not None:  # (the baseline's experts stay replicated)
+        expert_parallel.parallelize(model, device, ranks.world)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     opt_class = torch.optim.AdamW
     if args.optimizer == "fp8adamw":
@@ -460,6 +490,8 @@ def run(name, args, train_tokens, val_batches, ranks):
         # the non-finite check reuses the norm of the clipping below: free
         opt = fp8ops.CPUOffloadOptimizer(model.parameters(), opt_class, skip_nonfinite=True,
                                          **hyper)
+    elif ranks.ep:
+        opt = opt_class(expert_parallel.param_groups(model), **hyper)
     else:
         opt = opt_class(model.parameters(), **hyper)
     batches = Batches(train_tokens, args.batch_size, args.seq_len, seed=args.seed + 1)
@@ -492,6 +524,9 @@ def run(name, args, train_tokens, val_batches, ranks):
             loss.backward()
             if args.offload:
                 opt.clip_grad_norm_(1.0)  # the gradients are on the host
+            elif ranks.ep:
+                expert_parallel.reduce_gradients(model, ranks.world)
+                expert_parallel.clip_grad_norm_(model, 1.0)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if step == args.steps - 1:  # gradients and optimizer state all there
@@ -552,7 +587,11 @@ def table(results, args, device, ranks):
             f"{optimizer_name(args)}; parameters {args.param_dtype}; fp8_activations "
             f"{args.fp8_activations}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
-               f"state of rank 0{fp8_grads}); " if ranks.fsdp else "") + "fp8ops backend="
+               f"state of rank 0{fp8_grads}); " if ranks.fsdp else "")
+            + (f"experts split over {ranks.world} ranks by FP8ExpertParallel "
+               f"({ranks.dist.get_backend()}; tokens dispatched in FP8; the baseline's experts "
+               f"replicated; memory and device state of rank 0); " if ranks.ep else "")
+            + "fp8ops backend="
             f"{backend} ({backend.reason}); FP8: blocks' Linears only, fallback={args.fallback} "
             f"(embeddings and LM head in high precision); final train loss = mean of the last "
             f"{max(1, min(20, args.steps // 10))} steps; tokens/s over steps "
@@ -603,7 +642,8 @@ def main(argv=None):
             return results
         text = table(results, args, ranks.device, ranks)
         print("\n" + text)
-        suffix = "_fsdp" if args.fsdp else ""  # the single-process table stays
+        # the single-process table stays
+        suffix = "_fsdp" if args.fsdp else f"_ep{args.ep}" if args.ep else ""
         names = [f"results{suffix}.md", f"results{suffix}.json", f"loss_curves{suffix}.png",
                  f"scaling{suffix}.png"]
         os.makedirs(args.out_dir, exist_ok=True)

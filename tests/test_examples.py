@@ -431,3 +431,45 @@ print(json.dumps(dict(code=code, err=err.getvalue(), loss=res[0]['final_val_loss
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["code"] == 2 and "need torchao: torchao is not installed" in got["err"], got
     assert math.isfinite(got["loss"]) and got["torchao"] == []
+
+
+def test_train_gpt_ep_moe_tiny(tmp_path):
+    """--moe --ep 2 under torchrun: each block's experts split over the 2 ranks, tokens
+    dispatched in FP8. The baseline (its experts replicated: data parallel) gives the
+    single-process losses to float32 sums' order; current and blockwise follow one process to
+    FP8 noise (CurrentScaling's activations cast with each rank's amax, the dispatched tokens
+    with all ranks' amax per expert); rank 0 holds half the experts."""
+    args = ["--moe", "--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
+            "baseline,current,blockwise", "--no-progress", "--out-dir", str(tmp_path)]
+    single = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert single.returncode == 0, single.stdout + single.stderr
+    proc = _torchrun("--ep", "2", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    md = (tmp_path / "results_ep2.md").read_text()
+    assert "experts split over 2 ranks by FP8ExpertParallel (gloo" in md and md in proc.stdout
+    one = json.loads((tmp_path / "results.json").read_text())["results"]
+    ep = json.loads((tmp_path / "results_ep2.json").read_text())["results"]
+    for a, b in zip(one, ep, strict=True):
+        tol = 1e-4 if a["name"] == "baseline" else 5e-3
+        got = b["train_curve"] + [v for _, v in b["val_curve"]]
+        want = a["train_curve"] + [v for _, v in a["val_curve"]]
+        assert len(got) == len(want) == 6
+        assert max(abs(x - y) for x, y in zip(got, want)) < tol, (a["name"], got, want)
+        if a["name"] != "baseline":
+            assert b["device_state_mib"] < 0.8 * a["device_state_mib"]
+
+
+def test_train_gpt_ep_errors(tmp_path):
+    for bad, message in [(["--ep", "2"], "--ep N takes --moe"),
+                         (["--ep", "3", "--moe"], "does not split evenly"),
+                         (["--ep", "2", "--moe", "--recipes", "delayed"], "not taken")]:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                               *bad], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (bad, proc.stderr)
+    proc = _torchrun("--ep", "4", "--moe", "--size", "tiny", "--steps", "1", "--out-dir",
+                     str(tmp_path))
+    assert proc.returncode != 0
+    assert "--ep 4 runs under torchrun --nproc_per_node=4, not 2 processes" in (
+        proc.stdout + proc.stderr)
