@@ -1,14 +1,15 @@
-"""Training quality with the gradients reduce-scattered in FP8 against FSDP2's own reduce-scatter,
-over several seeds: the demo GPT (examples/train_gpt.py --size cpu --fsdp) trained under torchrun
-twice per seed, with and without --fp8-reduce-scatter, each recipe from the same initialization
-and batches. The question is whether the FP8 gradients' gap is inside the seed noise: the
-spread (max - min) over the seeds of the runs without it.
+"""Training quality with the gradients reduced in FP8 against the engine's own reduction, over
+several seeds: the demo GPT (examples/train_gpt.py --size cpu) trained under torchrun twice per
+seed, with and without FP8 gradients (--fsdp with and without --fp8-reduce-scatter, or --ddp with
+and without --fp8-compress-hook), each recipe from the same initialization and batches. The
+question is whether the FP8 gradients' gap is inside the seed noise: the spread (max - min)
+over the seeds of the runs without them.
 
-    python bench/bench_wire_quality.py [--seeds 0,1,2,3,4] [--steps 200] [--world 2]
-                                       [--recipes baseline,current]
+    python bench/bench_wire_quality.py [--engine fsdp|ddp] [--seeds 0,1,2,3,4] [--steps 200]
+                                       [--world 2] [--recipes baseline,current]
 
-Writes bench/results/wire_quality.md (and .json, and wire_quality.png: the per-seed gaps against
-the seed spread) and prints the table. Defaults take about 5 minutes on 2 CPU cores."""
+Writes bench/results/wire_quality_<engine>.md (and .json, and .png: the per-seed gaps against
+the seed spread) and prints the table. Defaults take about 6 minutes on 2 CPU cores."""
 from __future__ import annotations
 
 import argparse
@@ -25,21 +26,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def train(seed, steps, world, recipes, fp8_grads, out_dir):
+ENGINES = {"fsdp": ("--fsdp", "--fp8-reduce-scatter", "FSDP2's reduce-scatter"),
+           "ddp": ("--ddp", "--fp8-compress-hook", "DDP's all-reduce")}
+
+
+def train(engine, seed, steps, world, recipes, fp8_grads, out_dir):
     """{recipe: final validation loss} of one torchrun of the demo."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = ([torchrun] if os.path.exists(torchrun) else [sys.executable, "-m",
                                                           "torch.distributed.run"])
     cmd += ["--standalone", f"--nproc_per_node={world}", os.path.join(ROOT, "examples",
                                                                        "train_gpt.py"),
-            "--size", "cpu", "--fsdp", "--seed", str(seed), "--steps", str(steps), "--recipes",
+            "--size", "cpu", ENGINES[engine][0], "--seed", str(seed), "--steps", str(steps), "--recipes",
             ",".join(recipes), "--no-progress", "--monitor-every", "0", "--out-dir", out_dir]
     if fp8_grads:
-        cmd.append("--fp8-reduce-scatter")
+        cmd.append(ENGINES[engine][1])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    with open(os.path.join(out_dir, "results_fsdp.json")) as f:
+    with open(os.path.join(out_dir, f"results_{engine}.json")) as f:
         return {r["name"]: r["final_val_loss"] for r in json.load(f)["results"]}
 
 
@@ -58,12 +63,13 @@ def rows(val, recipes):
 
 
 def table(result_rows, args, seconds) -> str:
-    lines = ["# Gradients reduce-scattered in FP8 against FSDP2's own, over seeds", "",
-             f"The demo GPT (`--size cpu`), {args.steps} steps, `--fsdp` over {args.world} gloo "
+    flag, fp8_flag, own = ENGINES[args.engine]
+    lines = [f"# Gradients in FP8 against {own}, over seeds", "",
+             f"The demo GPT (`--size cpu`), {args.steps} steps, `{flag}` over {args.world} gloo "
              f"processes, seeds {args.seeds}; {seconds:.0f} s in all. Gap: the validation loss "
-             f"with `--fp8-reduce-scatter` over the same seed's without it; seed spread: max - "
+             f"with `{fp8_flag}` over the same seed's without it; seed spread: max - "
              f"min over the seeds without it.", "",
-             "| recipe | mean val loss, FSDP2's reduce-scatter | mean val loss, FP8 | mean gap "
+             f"| recipe | mean val loss, {own} | mean val loss, FP8 | mean gap "
              "(paired by seed) | per-seed gaps | seed spread | gap inside the spread |",
              "|---|---:|---:|---:|---|---:|---|"]
     for r in result_rows:
@@ -73,7 +79,7 @@ def table(result_rows, args, seconds) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result_rows, path) -> None:
+def plot(result_rows, path, own) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -89,7 +95,7 @@ def plot(result_rows, path) -> None:
     ax.set_xticklabels([r["recipe"] for r in result_rows])
     ax.set_xlim(-0.6, len(result_rows) - 0.4)
     ax.set_ylabel("val loss gap, FP8 gradients (%)")
-    ax.set_title("FP8 reduce-scatter vs FSDP2's, per seed")
+    ax.set_title(f"FP8 gradients vs {own}, per seed")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -98,6 +104,7 @@ def plot(result_rows, path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=tuple(ENGINES), default="fsdp")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--world", type=int, default=2, help="processes (default 2)")
@@ -119,7 +126,7 @@ def main(argv=None):
     try:
         for seed in args.seeds:
             for fp8 in (False, True):
-                got = train(seed, args.steps, args.world, args.recipes, fp8,
+                got = train(args.engine, seed, args.steps, args.world, args.recipes, fp8,
                             os.path.join(work, f"{seed}-{fp8}"))
                 for name in args.recipes:
                     val[name, fp8].append(got[name])
@@ -132,12 +139,13 @@ def main(argv=None):
     text = table(result_rows, args, time.time() - start)
     print("\n" + text)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "wire_quality.md"), "w") as f:
+    name = os.path.join(args.out, f"wire_quality_{args.engine}")
+    with open(name + ".md", "w") as f:
         f.write(text)
-    with open(os.path.join(args.out, "wire_quality.json"), "w") as f:
-        json.dump(dict(seeds=args.seeds, steps=args.steps, world=args.world, rows=result_rows),
-                  f, indent=1)
-    plot(result_rows, os.path.join(args.out, "wire_quality.png"))
+    with open(name + ".json", "w") as f:
+        json.dump(dict(engine=args.engine, seeds=args.seeds, steps=args.steps, world=args.world,
+                       rows=result_rows), f, indent=1)
+    plot(result_rows, name + ".png", ENGINES[args.engine][2])
     return result_rows
 
 

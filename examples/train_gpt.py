@@ -69,6 +69,10 @@ monitor does not sample); peak memory and device state are rank 0's (its shards)
 baseline's too) through FSDP2's reduce-scatter as FP8 blocks: about half the bytes of bf16
 (docs/distributed.md, "Gradients in FP8").
 
+--ddp: data parallel with DistributedDataParallel, one process per rank under torchrun as with
+--fsdp (results_ddp.md etc.); --fp8-compress-hook averages every run's gradients in FP8 blocks
+(fp8ops.distributed.fp8_compress_hook).
+
 --ep N (with --moe, under torchrun --nproc_per_node=N): each block's experts split over the N
 ranks by fp8ops.FP8ExpertParallel, their tokens dispatched in FP8 (examples/expert_parallel.py);
 every rank trains on its slice of each batch as under --fsdp, and writes results_epN.md etc.
@@ -237,6 +241,12 @@ def parse_args(argv=None):
                         "(fp8ops.fp8_activations; 'attention': attention's q, k, v too)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 over the ranks of torchrun (see the module doc)")
+    p.add_argument("--ddp", action="store_true",
+                   help="data parallel with DistributedDataParallel over the ranks of torchrun "
+                        "(see the module doc)")
+    p.add_argument("--fp8-compress-hook", action="store_true",
+                   help="with --ddp: every run's gradients averaged in FP8 blocks "
+                        "(fp8ops.distributed.fp8_compress_hook)")
     p.add_argument("--fp8-reduce-scatter", action="store_true",
                    help="with --fsdp: FSDP2 reduce-scatters the gradients of every run in FP8 "
                         "blocks (fp8ops.distributed.fp8_reduce_scatter)")
@@ -248,14 +258,19 @@ def parse_args(argv=None):
                    help="with --moe under torchrun --nproc_per_node=N: each block's experts split "
                         "over the N ranks, tokens dispatched in FP8 (see the module doc)")
     args = p.parse_args(argv)
+    if args.ddp and (args.fsdp or args.ep or args.offload):
+        p.error("--ddp takes none of --fsdp, --ep and --offload")
+    if args.fp8_compress_hook and not args.ddp:
+        p.error("--fp8-compress-hook is a setting of --ddp's gradient all-reduce")
     if args.fp8_reduce_scatter and not args.fsdp:
         p.error("--fp8-reduce-scatter is a setting of --fsdp's gradient reduce-scatter")
     if args.fsdp and args.offload:
         p.error("--fsdp with --offload is not supported yet (CPUOffloadOptimizer keeps whole "
                 "FP32 masters, FSDP2 shards them): use one of them")
     for k, v in SIZES[args.size].items():
-        # under --fsdp or --ep each rank keeps torchrun's threads (one per process on a shared CPU)
-        if getattr(args, k) is None and not (k == "threads" and (args.fsdp or args.ep)):
+        # under --fsdp, --ddp or --ep each rank keeps torchrun's threads (one per process on a shared CPU)
+        if getattr(args, k) is None and not (k == "threads" and (args.fsdp or args.ep
+                                                                  or args.ddp)):
             setattr(args, k, v)
     if args.moe and args.arch == "llama":
         p.error("--moe takes --arch gpt (examples/moe.py's experts are GELU MLPs)")
@@ -336,13 +351,13 @@ class PeakMemory:
 # data parallel (--fsdp)
 # ---------------------------------------------------------------------------------------------
 class Ranks:
-    """This process's place in the data-parallel group: one process (rank 0 of 1) without --fsdp
-    or --ep; with either, the torch.distributed group torchrun set up (gloo on CPU, NCCL on
+    """This process's place in the data-parallel group: one process (rank 0 of 1) without --fsdp,
+    --ddp or --ep; with one, the torch.distributed group torchrun set up (gloo on CPU, NCCL on
     CUDA)."""
 
     def __init__(self, args):
-        self.fsdp, self.ep, self.rank, self.world = args.fsdp, args.ep, 0, 1
-        self.distributed = bool(args.fsdp or args.ep)
+        self.fsdp, self.ddp, self.ep, self.rank, self.world = args.fsdp, args.ddp, args.ep, 0, 1
+        self.distributed = bool(args.fsdp or args.ddp or args.ep)
         self.device = torch.device(args.device)
         if not self.distributed:
             return
@@ -392,6 +407,12 @@ class Ranks:
             fully_shard(block)
         fully_shard(model)
         return model
+
+    def replicate(self, model):
+        """DDP: the model on every rank, its gradients averaged in buckets."""
+        from torch.nn.parallel import DistributedDataParallel
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
 
     def close(self, ok=False):
         """Leave the group: after a barrier when every rank finished (ranks other than 0 would
@@ -480,6 +501,10 @@ def run(name, args, train_tokens, val_batches, ranks):
         ranks.shard(model)
         if args.fp8_reduce_scatter:  # every run's gradients, the baseline's too
             fp8ops.distributed.fp8_reduce_scatter(model)
+    if ranks.ddp:
+        model = ranks.replicate(model)
+        if args.fp8_compress_hook:  # every run's gradients, the baseline's too
+            model.register_comm_hook(None, fp8ops.distributed.fp8_compress_hook)
     if ranks.ep and recipe is not None:  # (the baseline's experts stay replicated)
         expert_parallel.parallelize(model, device, ranks.world)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -537,7 +562,8 @@ def run(name, args, train_tokens, val_batches, ranks):
             if step >= untimed:
                 train_time += time.perf_counter() - t0
             train_curve.append(loss_val)
-            scaling_report.sample(model, step + 1, scaling_curve)  # untimed: it reads values back
+            # untimed: it reads values back (from the model DDP wraps: its monitor)
+            scaling_report.sample(model.module if ranks.ddp else model, step + 1, scaling_curve)
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 val_curve.append((step + 1, evaluate(model, val_batches, device, autocast,
                                                      ranks)))
@@ -588,6 +614,9 @@ def table(results, args, device, ranks):
             f"{args.fp8_activations}; "
             + (f"FSDP2 over {ranks.world} ranks ({ranks.dist.get_backend()}; memory and device "
                f"state of rank 0{fp8_grads}); " if ranks.fsdp else "")
+            + (f"DDP over {ranks.world} ranks ({ranks.dist.get_backend()}"
+               f"{'; gradients averaged in FP8 blocks' if args.fp8_compress_hook else ''}); "
+               if ranks.ddp else "")
             + (f"experts split over {ranks.world} ranks by FP8ExpertParallel "
                f"({ranks.dist.get_backend()}; tokens dispatched in FP8; the baseline's experts "
                f"replicated; memory and device state of rank 0); " if ranks.ep else "")
@@ -643,7 +672,8 @@ def main(argv=None):
         text = table(results, args, ranks.device, ranks)
         print("\n" + text)
         # the single-process table stays
-        suffix = "_fsdp" if args.fsdp else f"_ep{args.ep}" if args.ep else ""
+        suffix = ("_fsdp" if args.fsdp else "_ddp" if args.ddp else f"_ep{args.ep}" if args.ep
+                  else "")
         names = [f"results{suffix}.md", f"results{suffix}.json", f"loss_curves{suffix}.png",
                  f"scaling{suffix}.png"]
         os.makedirs(args.out_dir, exist_ok=True)

@@ -473,3 +473,33 @@ def test_train_gpt_ep_errors(tmp_path):
     assert proc.returncode != 0
     assert "--ep 4 runs under torchrun --nproc_per_node=4, not 2 processes" in (
         proc.stdout + proc.stderr)
+
+
+def test_train_gpt_ddp_tiny(tmp_path):
+    """--ddp: DistributedDataParallel over 2 gloo processes gives the single-process losses (the
+    baseline to float32 sums' order, CurrentScaling to its per-rank amaxes); with
+    --fp8-compress-hook every run's gradients are averaged in FP8 blocks: FP8 noise, not the
+    same bits."""
+    args = ["--size", "tiny", "--steps", "4", "--eval-every", "2", "--recipes",
+            "baseline,current", "--no-progress", "--out-dir", str(tmp_path)]
+    single = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "FP8OPS_FORCE_EMULATION": "1"})
+    assert single.returncode == 0, single.stdout + single.stderr
+    one = json.loads((tmp_path / "results.json").read_text())["results"]
+    for hook in (False, True):
+        proc = _torchrun("--ddp", *args, *(["--fp8-compress-hook"] if hook else []))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        md = (tmp_path / "results_ddp.md").read_text()
+        assert ("gradients averaged in FP8 blocks" in md) == hook
+        ddp = json.loads((tmp_path / "results_ddp.json").read_text())["results"]
+        for a, b in zip(one, ddp, strict=True):
+            tol = 5e-3 if hook or a["name"] == "current" else 1e-4
+            got = b["train_curve"] + [v for _, v in b["val_curve"]]
+            want = a["train_curve"] + [v for _, v in a["val_curve"]]
+            assert max(abs(x - y) for x, y in zip(got, want, strict=True)) < tol, (hook, a["name"])
+            if hook and a["name"] == "baseline":
+                assert got != want  # the gradients did travel in FP8
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                           "--fp8-compress-hook"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--fp8-compress-hook is a setting of --ddp" in proc.stderr
