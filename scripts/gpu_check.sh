@@ -85,7 +85,7 @@ fi
 
 if want quicktest; then
   # shellcheck disable=SC2086
-  gpu_tests ${QUICK_TEST_LIMIT:-210} 14 ${QUICK_TESTS:-tests/test_step_gpu.py tests/test_block_sum_gpu.py tests/test_grouped_gpu.py tests/test_gemm_gpu.py tests/test_modules_gpu.py}
+  gpu_tests ${QUICK_TEST_LIMIT:-210} 14 ${QUICK_TESTS:-tests/test_step_gpu.py tests/test_block_sum_gpu.py tests/test_expert_parallel_gpu.py tests/test_grouped_gpu.py tests/test_gemm_gpu.py tests/test_modules_gpu.py}
   sanitize racecheck 45
 fi
 
