@@ -61,6 +61,7 @@ _LAZY = {
     "FP8RowwiseParallel": "fp8ops.distributed.tensor_parallel",
     "PrepareFP8ModuleInput": "fp8ops.distributed.tensor_parallel",
     "FP8ExpertParallel": "fp8ops.distributed.expert_parallel",
+    "export_fp8": "fp8ops.export",  # (imports safetensors when it runs)
 }
 
 

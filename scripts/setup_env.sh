@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check "torch==2.14.1" numpy ml_dtypes pytest matplotlib tqdm ninja setuptools wheel \
-  "transformers==5.24.0" "accelerate==1.15.0"
+  "transformers==5.24.0" "accelerate==1.15.0" "compressed-tensors==0.20.1"
 pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"  # headers only
 pip install -q --disable-pip-version-check --no-deps "torchao==0.18.0"  # the demo's torchao MoE recipes
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi

@@ -416,6 +416,22 @@ class WeightCache:
             self.store(weight, payload, scale, stepped=step)
         return payload
 
+    def peek(self, weight: torch.Tensor, cast: Cast, *, trust: int = GRADIENT,
+             source: Optional[torch.Tensor] = None):
+        """The FP8 weight an eval forward would use now (get() with live=False: the cached cast,
+        or a cast with the window's scale, or one from the weight's own values without a step),
+        changing nothing: nothing is stored, nothing steps, the cache is as it was (an export
+        between the micro-batches of an accumulation window leaves the next step unchanged)."""
+        kept = (self._miss, self._grad_from_cast, int(self._grad_word[0]))
+        try:
+            payload, scale = self.lookup(weight, live=False, trust=trust, source=source)
+        finally:
+            self._miss, self._grad_from_cast = kept[0], kept[1]
+            self._grad_word[0] = kept[2]
+        if payload is None:
+            payload, _ = cast(weight, False, scale)
+        return payload
+
     def invalidate(self, keep_scale: bool = False) -> None:
         """The weight's values may have changed where nothing shows it: the next forward casts
         them anew. keep_scale: the values did not change (moved to a host master, reloaded, the
