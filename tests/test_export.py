@@ -1,0 +1,188 @@
+"""fp8ops.export_fp8: tiny Llama and Mixtral models (built from configs, nothing downloaded),
+trained a step in FP8, exported in both formats and reloaded with transformers on the CPU
+(dequantized): no missing or unexpected keys, every FP8 weight the exported bytes times their
+scale, the bytes those of the model's own eval forward, logits close to the FP8 model's."""
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+
+import fp8ops
+from fp8ops.export.weights import FP8Weight, dequantize
+
+transformers.logging.set_verbosity_error()
+VOCAB, SEQ = 64, 16
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               max_position_embeddings=SEQ, tie_word_embeddings=False, bos_token_id=0,
+               eos_token_id=1, pad_token_id=None, num_key_value_heads=1)
+CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**{"intermediate_size": 64, **_COMMON, **kw}),
+    "mixtral": lambda **kw: MixtralConfig(**{"intermediate_size": 48, "num_local_experts": 4,
+                                             "num_experts_per_tok": 2, **_COMMON, **kw}),
+}
+RECIPES = {"current": fp8ops.CurrentScaling, "delayed": fp8ops.DelayedScaling,
+           "blockwise": fp8ops.BlockwiseScaling, "mxfp8": fp8ops.MXFP8Scaling}
+CASES = [(m, r) for m in CONFIGS for r in RECIPES if not (m == "mixtral" and r == "mxfp8")]
+
+
+def _model(name, recipe, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](**kw))
+    return fp8ops.convert_to_fp8(model, RECIPES[recipe](), fallback="never",
+                                 filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+
+
+def _batch(seed):
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _train_step(model, opt, seed):
+    model(**_batch(seed)).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _scale_key(fmt):
+    return "weight_scale" if fmt == "compressed-tensors" else "weight_scale_inv"
+
+
+def _dequantized(saved, key, fmt):
+    """The exported weight times its scale, blocks expanded as the format says."""
+    data, scale = saved[key], saved[key[:-len("weight")] + _scale_key(fmt)]
+    if scale.numel() == 1:
+        return dequantize(FP8Weight(data, scale.reshape(()), "tensor"))
+    if fmt == "compressed-tensors" and scale.shape[1] == data.shape[1] // 32:
+        return dequantize(FP8Weight(data, scale, "mx"))
+    return dequantize(FP8Weight(data, scale, "block"))
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+@pytest.mark.parametrize("name,recipe", CASES)
+def test_export_reloads_in_transformers_with_the_training_casts(tmp_path, name, recipe, fmt):
+    model = _model(name, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 1)
+    ids = _batch(2)["input_ids"]
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    model.train()
+    if fmt == "fp8" and recipe == "mxfp8":
+        with pytest.warns(UserWarning, match="cast again in 128x128 blocks"):
+            fp8ops.export_fp8(model, tmp_path, format=fmt)
+    else:
+        fp8ops.export_fp8(model, tmp_path, format=fmt)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    saved = load_file(tmp_path / "model.safetensors")
+    reloaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    fp8_keys = [k for k, v in saved.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8_keys
+    reloaded_sd = reloaded.state_dict()
+    for key in fp8_keys:
+        want_w = _dequantized(saved, key, fmt)
+        if ".experts." in key:  # merged back into the 3-D parameters: compare the expert's rows
+            prefix, rest = key.split(".experts.")
+            e, proj = int(rest.split(".")[0]), rest.split(".")[1]
+            inter = want_w.shape[0] if proj in ("w1", "w3") else None
+            if proj == "w2":
+                got = reloaded_sd[f"{prefix}.experts.down_proj"][e]
+            else:
+                up = reloaded_sd[f"{prefix}.experts.gate_up_proj"][e]
+                got = up[:inter] if proj == "w1" else up[inter:]
+        else:
+            got = reloaded_sd[key]
+        if got.dtype == torch.float8_e4m3fn:  # kept compressed (run_compressed): its scale beside
+            scale_key = key[:-len("weight")] + _scale_key(fmt)
+            assert torch.equal(got.view(torch.uint8), saved[key].view(torch.uint8)), key
+            assert torch.equal(reloaded_sd[scale_key], saved[scale_key]), key
+            continue
+        assert torch.equal(got.float(), want_w), key
+    # the plain tensors come back as they were
+    for key, value in fp8ops.plain_state_dict(model).items():
+        if key.endswith("norm.weight") or "embed" in key or "lm_head" in key:
+            assert torch.equal(reloaded_sd[key], value), key
+    with torch.no_grad():
+        got = reloaded(ids).logits
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.05, rel  # the FP8 model casts its activations too: FP8 error, no more
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_exported_bytes_are_the_eval_forwards_casts(tmp_path, recipe):
+    """The dense layers' exported bytes and scales against the cast their eval forward keeps."""
+    model = _model("llama", recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 1)
+    fp8ops.export_fp8(model, tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    model.eval()
+    with torch.no_grad():
+        model(_batch(2)["input_ids"])
+    for name, mod in model.named_modules():
+        if isinstance(mod, fp8ops.FP8Linear):
+            payload = mod.fp8_state.weight_cache.entry.payload
+            data = payload[0][0] if recipe == "mxfp8" else payload[0]
+            got = saved[f"{name}.weight"]
+            assert torch.equal(got.view(torch.uint8),
+                               data[:got.shape[0], :got.shape[1]].view(torch.uint8)), name
+            if recipe in ("current", "delayed"):
+                assert torch.equal(saved[f"{name}.weight_scale"], payload[2].reshape(1).float())
+            elif recipe == "blockwise":
+                assert torch.equal(saved[f"{name}.weight_scale"], payload[1].float())
+
+
+def test_quantization_config_passes_compressed_tensors_parser(tmp_path):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    for recipe in ("current", "blockwise", "mxfp8"):
+        fp8ops.export_fp8(_model("llama", recipe), tmp_path / recipe)
+        config = json.loads((tmp_path / recipe / "config.json").read_text())
+        parsed = QuantizationConfig.model_validate(config["quantization_config"])
+        assert parsed.ignore == ["lm_head"]
+        assert parsed.config_groups["group_0"].weights.type == "float"
+
+
+@pytest.mark.parametrize("name,recipe", [("llama", "delayed"), ("llama", "current"),
+                                         ("mixtral", "delayed"), ("mixtral", "blockwise")])
+def test_export_changes_nothing_mid_accumulation(tmp_path, name, recipe):
+    """A twin that was not exported takes the same next step, bit for bit: exported between two
+    micro-batches of an accumulation window, in training mode."""
+    models = [_model(name, recipe), _model(name, recipe)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for m, opt in zip(models, opts):
+        _train_step(m, opt, 1)
+        m(**_batch(2)).loss.backward()  # the window's first micro-batch
+    fp8ops.export_fp8(models[0], tmp_path, format="fp8")
+    assert models[0].training
+    for m, opt in zip(models, opts):
+        m(**_batch(3)).loss.backward()
+        opt.step()
+    for (key, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), key
+    losses = [m(**_batch(4)).loss for m in models]
+    assert torch.equal(losses[0], losses[1])
+
+
+def test_errors(tmp_path):
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    with pytest.raises(ValueError, match="convert it with fp8ops.convert_to_fp8"):
+        fp8ops.export_fp8(plain, tmp_path)
+    model = _model("llama", "current")
+    with pytest.raises(ValueError, match="unknown format 'gguf'"):
+        fp8ops.export_fp8(model, tmp_path, format="gguf")
+    with pytest.raises(TypeError, match="transformers model"):
+        fp8ops.export_fp8(fp8ops.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(4, 4))),
+                          tmp_path)
+    # 160 = 128 + 32: two blocks, the second partial, which transformers' fp8 loader misreads
+    wide = _model("llama", "blockwise", intermediate_size=160)
+    with pytest.raises(ValueError, match="partial 128-blocks"):
+        fp8ops.export_fp8(wide, tmp_path, format="fp8")
+    assert not (tmp_path / "config.json").exists()
