@@ -145,15 +145,18 @@ def test_quantization_config_passes_compressed_tensors_parser(tmp_path):
         assert parsed.config_groups["group_0"].weights.type == "float"
 
 
+@pytest.mark.parametrize("steps_before", [0, 1])
 @pytest.mark.parametrize("name,recipe", [("llama", "delayed"), ("llama", "current"),
                                          ("mixtral", "delayed"), ("mixtral", "blockwise")])
-def test_export_changes_nothing_mid_accumulation(tmp_path, name, recipe):
+def test_export_changes_nothing_mid_accumulation(tmp_path, name, recipe, steps_before):
     """A twin that was not exported takes the same next step, bit for bit: exported between two
-    micro-batches of an accumulation window, in training mode."""
+    micro-batches of an accumulation window, in training mode; in the first window (no optimizer
+    holds the weights yet: the export casts anew) and in a later one (it reads the cached cast)."""
     models = [_model(name, recipe), _model(name, recipe)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     for m, opt in zip(models, opts):
-        _train_step(m, opt, 1)
+        for step in range(steps_before):
+            _train_step(m, opt, 1 + step)
         m(**_batch(2)).loss.backward()  # the window's first micro-batch
     fp8ops.export_fp8(models[0], tmp_path, format="fp8")
     assert models[0].training
