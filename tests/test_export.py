@@ -55,7 +55,7 @@ def _dequantized(saved, key, fmt):
     data, scale = saved[key], saved[key[:-len("weight")] + _scale_key(fmt)]
     if scale.numel() == 1:
         return dequantize(FP8Weight(data, scale.reshape(()), "tensor"))
-    if fmt == "compressed-tensors" and scale.shape[1] == data.shape[1] // 32:
+    if scale.shape[0] == data.shape[0] != -(-data.shape[0] // 128):  # a scale per row: MXFP8
         return dequantize(FP8Weight(data, scale, "mx"))
     return dequantize(FP8Weight(data, scale, "block"))
 
@@ -204,3 +204,18 @@ def test_offloaded_model_is_refused(tmp_path):
     _train_step(model, opt, 1)
     with pytest.raises(NotImplementedError, match="offloaded to the CPU"):
         fp8ops.export_fp8(model, tmp_path)
+
+
+@pytest.mark.parametrize("recipe,fmt", [("blockwise", "compressed-tensors"),
+                                        ("current", "compressed-tensors"), ("current", "fp8")])
+def test_partial_blocks_reload_exactly_where_accepted(tmp_path, recipe, fmt):
+    """160 = 128 + 32 features: a partial second block (compressed-tensors reads a ceil grid; a
+    per-tensor scale fills every block of transformers' fp8 grid alike)."""
+    model = _model("llama", recipe, intermediate_size=160)
+    fp8ops.export_fp8(model, tmp_path, format=fmt)
+    saved = load_file(tmp_path / "model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        reloaded(_batch(1)["input_ids"])  # (compressed-tensors decompresses here)
+    for key in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert torch.equal(reloaded.state_dict()[key].float(), _dequantized(saved, key, fmt)), key

@@ -16,7 +16,6 @@ _STRATEGY = {"tensor": {"strategy": "tensor"},
 def tensors(fp8: dict) -> dict:
     out = {}
     for key, w in fp8.items():
-        check(w, key)
         base = key[:-len(".weight")]
         scale = w.scale_inv.reshape(1) if w.layout == "tensor" else w.scale_inv
         out[key] = w.data.contiguous()
@@ -38,9 +37,3 @@ def quantization_config(layout: str, ignore: list) -> dict:
         "kv_cache_scheme": None,
     }
 
-
-def check(w: FP8Weight, key: str) -> None:
-    """Partial 128-blocks: compressed-tensors reads a block grid of ceil(dim / 128)."""
-    if w.layout == "mx" and w.data.shape[1] % 32:
-        raise ValueError(f"export_fp8: {key} has {w.data.shape[1]} input features, not a "
-                         "multiple of MXFP8's 32-element block")

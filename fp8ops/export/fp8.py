@@ -48,9 +48,9 @@ def tensors(fp8: dict) -> dict:
             data, scale_inv = _ops.quantize_blockwise(dequantize(w), torch.float8_e4m3fn,
                                                       BLOCK, BLOCK, False)
             w = FP8Weight(data, scale_inv.float(), "block")
-        elif w.layout == "tensor":
+        check(w, key)  # (a per-tensor cast by its own rule, before its scale fills the grid)
+        if w.layout == "tensor":
             w = FP8Weight(w.data, w.scale_inv.expand(_grid(w.data.shape)), "block")
-        check(w, key)
         out[key] = w.data.contiguous()
         out[f"{base}.weight_scale_inv"] = w.scale_inv.contiguous()
     return out

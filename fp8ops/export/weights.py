@@ -47,6 +47,10 @@ def _from_payload(kind: str, payload, shape, name: str) -> FP8Weight:
         (data, scales), _ = payload  # zero-padded to the block: cut back
         out, k = shape
         block = data.shape[1] // scales.shape[1]
+        if k % block:
+            raise ValueError(f"export_fp8: {name} has {k} input features, not a multiple of "
+                             f"MXFP8's {block}-element block: no checkpoint layout holds its "
+                             "partial last block")
         exps = scales[:out, :-(-k // block)].to(torch.int32)
         return FP8Weight(data[:out, :k], torch.ldexp(torch.ones((), dtype=torch.float32),
                                                      exps - 127), "mx")
