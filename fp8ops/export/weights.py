@@ -52,7 +52,7 @@ def _from_payload(kind: str, payload, shape, name: str) -> FP8Weight:
                              f"MXFP8's {block}-element block: no checkpoint layout holds its "
                              "partial last block")
         exps = scales[:out, :-(-k // block)].to(torch.int32)
-        return FP8Weight(data[:out, :k], torch.ldexp(torch.ones((), dtype=torch.float32),
+        return FP8Weight(data[:out, :k], torch.ldexp(torch.ones(exps.shape, dtype=torch.float32),
                                                      exps - 127), "mx")
     raise NotImplementedError(f"export_fp8: {name} has a recipe of kind {kind!r}")
 
