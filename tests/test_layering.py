@@ -46,6 +46,7 @@ LAYERS = {
     "fp8ops.distributed": ("distributed", 4),
     "fp8ops.monitoring": ("tools", 5),
     "fp8ops.memory": ("tools", 5),
+    "fp8ops.integrations": ("tools", 5),
     "fp8ops": ("tools", 5),
 }
 
