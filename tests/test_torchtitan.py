@@ -229,23 +229,33 @@ def _layer_summary(model) -> dict:
     linears = {n: "fp8" if isinstance(m, FP8TitanLinear) else "high precision"
                for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     fp8 = [m for m in model.modules() if isinstance(m, FP8TitanLinear)]
-    return {"linears": linears,
+    from torch.distributed.tensor import DTensor
+
+    from fp8ops.distributed.fsdp import FP8WeightShard
+
+    gathered = [isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, FP8WeightShard)
+                for m in fp8]
+    return {"linears": linears, "fp8_layers": len(fp8), "fp8_gathered": sum(gathered),
             "high_precision_calls": sum(m.fp8_state.high_precision_calls for m in fp8),
             "fp8_experts": sum(isinstance(m, FP8GroupedExperts) for m in model.modules())}
 
 
-def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir):
-    """Train the llama3 debug model, converted with `recipe` (None: unconverted). One process
-    group per run: a second Trainer in the same processes trips over the first one's meshes."""
+def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir,
+               compiled=False):
+    """Train the llama3 debug model, converted with `recipe` (None: unconverted); `compiled`:
+    with torchtitan's torch.compile of each block. One process group per run: a second Trainer
+    in the same processes trips over the first one's meshes."""
     _cpu_shim()
     from torchtitan.models.llama3 import config_registry, model_registry
 
     from fp8ops.integrations.torchtitan import FP8Converter
 
-    converters = None if recipe is None else [FP8Converter.Config(recipe=recipe)]
+    converters = None if recipe is None else [
+        FP8Converter.Config(recipe=recipe, model_compile_enabled=compiled)]
     config = _trainer_config(config_registry.llama3_debugmodel, model_registry, converters,
                              dump_folder, checkpoint_interval=checkpoint_interval,
                              load_step=load_step)
+    config.compile.enable, config.compile.components = compiled, ["model"]
     trained = _train(config)
     return {"losses": trained["losses"], **_layer_summary(trained["model"])}
 
@@ -296,10 +306,22 @@ def test_recipe_trains_llama3_within_3_percent(llama_runs, recipe):
     assert blocks and set(blocks.values()) == {"fp8"}, blocks
     assert fp8["linears"]["lm_head"] == "high precision"  # filter_fqns' default
     assert fp8["high_precision_calls"] == 0  # every call of every FP8 layer ran FP8
+    # torchtitan's FSDP2 gathers the weights in FP8 by itself (MXFP8: in high precision)
+    assert fp8["fp8_gathered"] == (0 if recipe == "mxfp8" else fp8["fp8_layers"])
     first, last = base[1], base[STEPS]
     assert last < 0.5 * first, base  # the baseline learns: the comparison means something
     assert abs(fp8["losses"][STEPS] - last) <= 0.03 * last, (fp8["losses"], base)
     assert fp8["losses"] != base  # FP8 GEMMs ran: not the high-precision run's bytes
+
+
+def test_compiled_model_trains_within_3_percent(llama_runs, tmp_path):
+    """model_compile_enabled: torchtitan compiles each block (fullgraph, selective activation
+    checkpointing inside); the FP8 layers are traced, their weights gathered in high precision."""
+    base = llama_runs["baseline"]["losses"]
+    fp8 = _spawn_run(partial(_llama_run, "current", str(tmp_path), 0, -1, compiled=True))
+    assert set(_block_linears(fp8).values()) == {"fp8"}
+    assert fp8["high_precision_calls"] == 0 and fp8["fp8_gathered"] == 0
+    assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.03 * base[STEPS], (fp8["losses"], base)
 
 
 def test_dcp_resume_is_bit_exact(llama_runs):
@@ -327,3 +349,37 @@ def test_import_fp8ops_does_not_import_torchtitan():
     code = "import sys, fp8ops; sys.exit('torchtitan' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+@pytest.mark.parametrize("function", ["llama3_debugmodel_fp8", "deepseek_v3_debugmodel_fp8"])
+def test_config_functions_load_through_torchtitans_cli(function):
+    """What `torchtitan.train --module fp8ops.integrations.torchtitan --config <function>`
+    parses: the debug model's config tree, converted."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fp8ops.integrations.torchtitan import FP8GroupedExperts, FP8TitanLinear
+
+    config = ConfigManager().parse_args(
+        ["--module", "fp8ops.integrations.torchtitan", "--config", function,
+         "--training.steps", "3"])
+    assert config.training.steps == 3  # torchtitan's CLI overrides still apply
+    model = config.model_spec.model
+    kinds = {fqn: type(cfg) for fqn, cfg, _, _ in model.traverse(Linear.Config)}
+    assert kinds["lm_head"] is Linear.Config
+    assert any(kind is FP8TitanLinear.Config for kind in kinds.values())
+    assert all(kind is FP8TitanLinear.Config for fqn, kind in kinds.items()
+               if fqn.startswith("layers.") and not fqn.endswith("router.gate"))
+    experts = [type(cfg) for _, cfg, _, _ in model.traverse(GroupedExperts.Config)]
+    assert all(kind is FP8GroupedExperts.Config for kind in experts)
+    assert bool(experts) == function.startswith("deepseek")
+
+
+def test_converter_refuses_unknown_choices():
+    from fp8ops.integrations.torchtitan import FP8Converter
+
+    with pytest.raises(ValueError, match="unknown recipe 'fp4'"):
+        FP8Converter.Config(recipe="fp4").build()
+    with pytest.raises(ValueError, match="fallback must be"):
+        FP8Converter.Config(fallback="sometimes").build()

@@ -36,7 +36,9 @@ class FP8Converter(QuantizationConverter):
         FP8 to pay), "never"."""
 
         fp8_all_gather: bool = True
-        """Under FSDP2, gather the FP8 layers' weights in FP8 where the recipe allows."""
+        """Under FSDP2, gather the FP8 layers' weights in FP8 where the recipe allows (not when
+        model_compile_enabled: torchtitan compiles each block as one graph, which a layer
+        reading an FP8-gathered weight would break)."""
 
         filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
         """Modules left in high precision: those whose name contains one of these."""
@@ -50,6 +52,12 @@ class FP8Converter(QuantizationConverter):
 
     def convert(self, model_config):
         cfg = self.config
+        # torchtitan compiles each block with fullgraph=True, and a layer reading an FP8-gathered
+        # weight breaks the graph (it runs eagerly under torch.compile): gather in high precision
+        gather = cfg.fp8_all_gather and not cfg.model_compile_enabled
+        if cfg.fp8_all_gather and not gather:
+            logger.info("fp8ops: the model is compiled (fullgraph): FSDP2 gathers the FP8 "
+                        "layers' weights in high precision")
         linears = experts = 0
         for fqn, linear, parent, attr in list(model_config.traverse(Linear.Config)):
             if (type(linear) is not Linear.Config or parent is None
@@ -60,7 +68,7 @@ class FP8Converter(QuantizationConverter):
                 in_features=linear.in_features, out_features=linear.out_features,
                 bias=linear.bias, param_init=linear.param_init,
                 sharding_config=linear.sharding_config, recipe=cfg.recipe,
-                fp8_all_gather=cfg.fp8_all_gather, fallback=cfg.fallback))
+                fp8_all_gather=gather, fallback=cfg.fallback))
             linears += 1
         for fqn, grouped, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
             if (type(grouped) is not GroupedExperts.Config or parent is None
