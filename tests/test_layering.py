@@ -19,9 +19,8 @@ two layers of one rank (optim, distributed) import neither each other.
   4 optim        optim/: CPU offload and FP8AdamW, over the layers
   4 distributed  distributed/: FSDP2's FP8 all-gather and tensor parallelism, over the layers
                  (which learn of them only through the hooks fp8ops installs)
-  5 tools        monitoring.py and memory.py (over the layers and the optimizers), integrations/
-                 (training frameworks), and fp8ops/__init__.py, the public API, which wires the
-                 hooks of distributed/ into nn/
+  5 tools        monitoring.py and memory.py (over the layers and the optimizers), and
+                 fp8ops/__init__.py, the public API, which wires the hooks of distributed/ into nn/
 """
 import ast
 import os
