@@ -44,6 +44,7 @@ LAYERS = {
     "fp8ops.tensors": ("nn", 3),
     "fp8ops.optim": ("optim", 4),
     "fp8ops.distributed": ("distributed", 4),
+    "fp8ops.integrations": ("tools", 5),
     "fp8ops.monitoring": ("tools", 5),
     "fp8ops.memory": ("tools", 5),
     "fp8ops.export": ("tools", 5),

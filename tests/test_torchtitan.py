@@ -1,0 +1,409 @@
+"""fp8ops.integrations.torchtitan: torchtitan's own Trainer trains its debug models with
+FP8Converter on 2 gloo ranks (FSDP2 over the two), on the CPU.
+
+torchtitan targets accelerators; the test runs it unmodified through a small shim (_cpu_shim,
+applied in the spawned ranks only, never to torchtitan's files):
+  - device: torchtitan picks its device type and module once at import (CUDA when none is
+    found); the shim points every torchtitan module that took them at "cpu" and a stub device
+    module (no memory statistics, one device), and the local device at the CPU;
+  - reductions: torchtitan's FSDP2 divides gradients by a factor of 1, which FSDP2 runs as a
+    PREMUL_SUM reduce-scatter, one gloo has not: the shim has FSDP2 reduce with SUM (the same
+    sums: the factor is 1);
+  - attention: flex attention needs torch.compile on the CPU; the model configs get
+    torchtitan's ScaledDotProductAttention (causal, which the single-document rows here are);
+  - data: no tokenizer or dataset ships with the torchtitan wheel; a tokenizer stub and a
+    synthetic dataloader (each row a stretch of a fixed cycle through CYCLE of the vocabulary's
+    tokens, from a random start; stateful, so DCP checkpoints it) stand in. A short cycle is
+    learnt within the 10 steps, so the loss falls well beyond its step-to-step noise.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from dist_spawn import spawn  # noqa: E402
+
+STEPS = 10
+SEQ_LEN = 64
+BATCH = 2
+RECIPES = ("delayed", "current", "mxfp8", "blockwise")
+CYCLE = 64  # tokens of the synthetic data's cycle
+
+
+# ---- the shim --------------------------------------------------------------------------------
+
+class _CPUDevice(types.SimpleNamespace):
+    """What torchtitan asks of its device module, for the CPU (no memory statistics)."""
+
+    @staticmethod
+    def set_device(device):
+        pass
+
+    @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def get_device_name(device=None):
+        return "cpu"
+
+    @staticmethod
+    def current_device():
+        return 0
+
+    @staticmethod
+    def get_device_properties(device=None):
+        return types.SimpleNamespace(total_memory=1 << 34, name="cpu")
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+    @staticmethod
+    def memory_stats(device=None):
+        return {}
+
+    @staticmethod
+    def synchronize(device=None):
+        pass
+
+
+def _cpu_shim() -> None:
+    """Point torchtitan's device type and module at the CPU (module doc)."""
+    import torchtitan.trainer  # noqa: F401  (imports the modules that hold the device)
+    from torchtitan.tools import utils
+
+    device = _CPUDevice()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torchtitan") or module is None:
+            continue
+        if getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"
+        if getattr(module, "device_module", None) is torch.cuda:
+            module.device_module = device
+        if getattr(module, "get_local_device", None) is utils.get_local_device:
+            module.get_local_device = lambda: torch.device("cpu")
+    utils.get_local_device = lambda: torch.device("cpu")
+
+
+def _sdpa(model_config):
+    """model_config with torchtitan's SDPA in place of its flex attention."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    for _fqn, _cfg, parent, attr in list(model_config.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = ScaledDotProductAttention.Config()
+        else:
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    return model_config
+
+
+def _data_classes():
+    """The tokenizer stub and the synthetic dataloader (torchtitan Configurables)."""
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    class StubTokenizer(BaseTokenizer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            vocab_size: int = 2048
+
+        def __init__(self, config, **kwargs):
+            super().__init__()
+            self.vocab_size = config.vocab_size
+
+        def encode(self, *args, **kwargs):
+            raise NotImplementedError("synthetic data: nothing to encode")
+
+        def decode(self, *args, **kwargs):
+            raise NotImplementedError("synthetic data: nothing to decode")
+
+        def get_vocab_size(self):
+            return self.vocab_size
+
+    class CycleDataLoader(BaseDataLoader):
+        """Rows of a fixed cycle through CYCLE tokens of the vocabulary, each from a random
+        start: a next token the model can learn. Batch i of rank r is the same in every run."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            vocab_size: int = 2048
+
+        def __init__(self, config, *, dp_world_size, dp_rank, tokenizer, seq_len,
+                      local_batch_size, **kwargs):
+            self.vocab, self.rank, self.world = config.vocab_size, dp_rank, dp_world_size
+            self.seq_len, self.batch = seq_len, local_batch_size
+            self.cycle = torch.randperm(self.vocab, generator=torch.Generator().manual_seed(7))
+            self.cycle = self.cycle[:CYCLE]
+            self.index = 0
+
+        def __iter__(self):
+            while True:
+                g = torch.Generator().manual_seed(1000 * self.index + self.rank)
+                starts = torch.randint(0, CYCLE, (self.batch, 1), generator=g)
+                rows = self.cycle[(starts + torch.arange(self.seq_len + 1)) % CYCLE]
+                self.index += 1
+                yield {"input": rows[:, :-1]}, rows[:, 1:]
+
+        def state_dict(self):
+            return {"index": self.index}
+
+        def load_state_dict(self, state_dict):
+            self.index = state_dict["index"]
+
+    return StubTokenizer, CycleDataLoader
+
+
+# ---- the runs (in the spawned ranks) ---------------------------------------------------------
+
+def _trainer_config(base, model_registry, converters, out_dir, *, checkpoint_interval=0,
+                    load_step=-1, n_layers=None):
+    """torchtitan's config function `base`, with the shim's attention and data, FSDP2 over the
+    2 ranks, STEPS steps of BATCH rows of SEQ_LEN tokens, the converters applied."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    tokenizer, dataloader = _data_classes()
+    config = base()
+    config.model_spec = model_registry("debugmodel", converters=converters)
+    _sdpa(config.model_spec.model)
+    if n_layers is not None:
+        config.model_spec.model.layers = config.model_spec.model.layers[:n_layers]
+    config.tokenizer = tokenizer.Config()
+    config.dataloader = dataloader.Config()
+    config.dump_folder = out_dir
+    config.training.seq_len, config.training.local_batch_size = SEQ_LEN, BATCH
+    config.training.steps = STEPS
+    config.parallelism.data_parallel_shard_degree = 2
+    config.debug.seed = 42  # the same initial weights in every run
+    config.validator.enable = False
+    config.metrics.log_freq = 1
+    config.checkpoint = CheckpointManager.Config(
+        enable=checkpoint_interval > 0, folder="checkpoint", interval=checkpoint_interval or 500,
+        last_save_model_only=False, load_step=load_step)
+    return config
+
+
+def _train(config) -> dict:
+    """Train; the loss of every step (torchtitan's logged global average) and the model."""
+    from torchtitan.trainer import Trainer
+
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer = Trainer(config)
+    for module in trainer.model_parts[0].modules():  # gloo has no PREMUL_SUM (module doc)
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    losses = {}
+    log = trainer.metrics_processor.log
+
+    def record(step, loss, *args, **kwargs):
+        losses[step] = float(loss)
+        return log(step, loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = record
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return {"losses": losses, "model": trainer.model_parts[0]}
+
+
+def _layer_summary(model) -> dict:
+    """Which modules of the trained model are what (for the assertions in pytest)."""
+    from fp8ops.integrations.torchtitan import FP8GroupedExperts, FP8TitanLinear
+
+    # (FSDP2 renames the classes of the modules it wraps: FSDPLinear)
+    linears = {n: "fp8" if isinstance(m, FP8TitanLinear) else "high precision"
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    fp8 = [m for m in model.modules() if isinstance(m, FP8TitanLinear)]
+    from torch.distributed.tensor import DTensor
+
+    from fp8ops.distributed.fsdp import FP8WeightShard
+
+    gathered = [isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, FP8WeightShard)
+                for m in fp8]
+    tp_sharded = [isinstance(m.weight, DTensor) and "tp" in m.weight.device_mesh.mesh_dim_names
+                  and m.weight.placements[m.weight.device_mesh.mesh_dim_names.index("tp")]
+                  .is_shard() for m in fp8]
+    return {"linears": linears, "fp8_layers": len(fp8), "fp8_gathered": sum(gathered),
+            "tp_sharded": sum(tp_sharded),
+            "high_precision_calls": sum(m.fp8_state.high_precision_calls for m in fp8),
+            "fp8_experts": sum(isinstance(m, FP8GroupedExperts) for m in model.modules())}
+
+
+def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir,
+               compiled=False, tensor_parallel=False):
+    """Train the llama3 debug model, converted with `recipe` (None: unconverted); `compiled`:
+    with torchtitan's torch.compile of each block; `tensor_parallel`: torchtitan's tensor
+    parallelism over the 2 ranks instead of FSDP2, without activation checkpointing. One process
+    group per run: a second Trainer in the same processes trips over the first one's meshes."""
+    _cpu_shim()
+    from torchtitan.models.llama3 import config_registry, model_registry
+
+    from fp8ops.integrations.torchtitan import FP8Converter
+
+    converters = None if recipe is None else [
+        FP8Converter.Config(recipe=recipe, model_compile_enabled=compiled)]
+    config = _trainer_config(config_registry.llama3_debugmodel, model_registry, converters,
+                             dump_folder, checkpoint_interval=checkpoint_interval,
+                             load_step=load_step)
+    config.compile.enable, config.compile.components = compiled, ["model"]
+    if tensor_parallel:
+        config.parallelism.data_parallel_shard_degree = 1
+        config.parallelism.tensor_parallel_degree = 2
+        config.activation_checkpoint = None
+    trained = _train(config)
+    return {"losses": trained["losses"], **_layer_summary(trained["model"])}
+
+
+def _moe_run(rank, out_dir):
+    _cpu_shim()
+    from torchtitan.models.deepseek_v3 import config_registry, model_registry
+
+    from fp8ops.integrations.torchtitan import FP8Converter
+
+    config = _trainer_config(config_registry.deepseek_v3_debugmodel, model_registry,
+                             [FP8Converter.Config(recipe="current")], out_dir)
+    trained = _train(config)
+    return {"losses": trained["losses"], **_layer_summary(trained["model"])}
+
+
+def _spawn_run(worker) -> dict:
+    """Rank 0's result; the ranks log the same global losses."""
+    results = spawn(worker)
+    assert results[0]["losses"] == results[1]["losses"]
+    return results[0]
+
+
+# ---- the assertions --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory):
+    """The unconverted run, a run per recipe (delayed scaling's checkpointed at step 5) and the
+    delayed-scaling run resumed from that checkpoint."""
+    root = tmp_path_factory.mktemp("torchtitan")
+    runs = {"baseline": _spawn_run(partial(_llama_run, None, str(root / "baseline"), 0, -1))}
+    for recipe in RECIPES:
+        interval = 5 if recipe == "delayed" else 0
+        runs[recipe] = _spawn_run(partial(_llama_run, recipe, str(root / recipe), interval, -1))
+    runs["resumed"] = _spawn_run(partial(_llama_run, "delayed", str(root / "delayed"), 5, 5))
+    return runs
+
+
+def _block_linears(summary) -> dict:
+    return {n: kind for n, kind in summary["linears"].items() if n.startswith("layers.")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_trains_llama3_within_3_percent(llama_runs, recipe):
+    base, fp8 = llama_runs["baseline"]["losses"], llama_runs[recipe]
+    assert sorted(fp8["losses"]) == list(range(1, STEPS + 1))
+    blocks = _block_linears(fp8)
+    assert blocks and set(blocks.values()) == {"fp8"}, blocks
+    assert fp8["linears"]["lm_head"] == "high precision"  # filter_fqns' default
+    assert fp8["high_precision_calls"] == 0  # every call of every FP8 layer ran FP8
+    # torchtitan's FSDP2 gathers the weights in FP8 by itself (MXFP8: in high precision)
+    assert fp8["fp8_gathered"] == (0 if recipe == "mxfp8" else fp8["fp8_layers"])
+    first, last = base[1], base[STEPS]
+    assert last < 0.5 * first, base  # the baseline learns: the comparison means something
+    assert abs(fp8["losses"][STEPS] - last) <= 0.03 * last, (fp8["losses"], base)
+    assert fp8["losses"] != base  # FP8 GEMMs ran: not the high-precision run's bytes
+
+
+def test_compiled_model_trains_within_3_percent(llama_runs, tmp_path):
+    """model_compile_enabled: torchtitan compiles each block (fullgraph, selective activation
+    checkpointing inside); the FP8 layers are traced, their weights gathered in high precision."""
+    base = llama_runs["baseline"]["losses"]
+    fp8 = _spawn_run(partial(_llama_run, "current", str(tmp_path), 0, -1, compiled=True))
+    assert set(_block_linears(fp8).values()) == {"fp8"}
+    assert fp8["high_precision_calls"] == 0 and fp8["fp8_gathered"] == 0
+    assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.03 * base[STEPS], (fp8["losses"], base)
+
+
+def test_tensor_parallel_trains_within_3_percent(llama_runs, tmp_path):
+    """torchtitan's tensor parallelism (its sharding configs, carried over by the converter)
+    over the 2 ranks: every FP8 weight sharded over "tp", every call FP8. Without activation
+    checkpointing: under torchtitan's selective checkpointing the backward fails (the recompute
+    of a tensor-parallel FP8 layer calls fp8ops.quantize where the forward did not;
+    docs/torchtitan.md)."""
+    base = llama_runs["baseline"]["losses"]
+    fp8 = _spawn_run(partial(_llama_run, "current", str(tmp_path), 0, -1,
+                             tensor_parallel=True))
+    assert set(_block_linears(fp8).values()) == {"fp8"}
+    assert fp8["tp_sharded"] == fp8["fp8_layers"] > 0
+    assert fp8["high_precision_calls"] == 0
+    assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.03 * base[STEPS], (fp8["losses"], base)
+
+
+def test_dcp_resume_is_bit_exact(llama_runs):
+    resumed, straight = llama_runs["resumed"]["losses"], llama_runs["delayed"]["losses"]
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    assert resumed == {step: straight[step] for step in resumed}
+
+
+def test_moe_trains_with_fp8_experts():
+    result = _spawn_run(_moe_run)
+    assert result["fp8_experts"] > 0
+    assert "fp8" in _block_linears(result).values()
+    gates = {n: kind for n, kind in result["linears"].items() if n.endswith("router.gate")}
+    assert gates and set(gates.values()) == {"high precision"}, gates
+    assert result["linears"]["lm_head"] == "high precision"
+    losses = result["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[STEPS] < 0.5 * losses[1], losses
+
+
+def test_import_fp8ops_does_not_import_torchtitan():
+    import subprocess
+
+    code = "import sys, fp8ops; sys.exit('torchtitan' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+@pytest.mark.parametrize("function", ["llama3_debugmodel_fp8", "deepseek_v3_debugmodel_fp8"])
+def test_config_functions_load_through_torchtitans_cli(function):
+    """What `torchtitan.train --module fp8ops.integrations.torchtitan --config <function>`
+    parses: the debug model's config tree, converted."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fp8ops.integrations.torchtitan import FP8GroupedExperts, FP8TitanLinear
+
+    config = ConfigManager().parse_args(
+        ["--module", "fp8ops.integrations.torchtitan", "--config", function,
+         "--training.steps", "3"])
+    assert config.training.steps == 3  # torchtitan's CLI overrides still apply
+    model = config.model_spec.model
+    kinds = {fqn: type(cfg) for fqn, cfg, _, _ in model.traverse(Linear.Config)}
+    assert kinds["lm_head"] is Linear.Config
+    assert any(kind is FP8TitanLinear.Config for kind in kinds.values())
+    assert all(kind is FP8TitanLinear.Config for fqn, kind in kinds.items()
+               if fqn.startswith("layers.") and not fqn.endswith("router.gate"))
+    experts = [type(cfg) for _, cfg, _, _ in model.traverse(GroupedExperts.Config)]
+    assert all(kind is FP8GroupedExperts.Config for kind in experts)
+    assert bool(experts) == function.startswith("deepseek")
+
+
+def test_converter_refuses_unknown_choices():
+    from fp8ops.integrations.torchtitan import FP8Converter
+
+    with pytest.raises(ValueError, match="unknown recipe 'fp4'"):
+        FP8Converter.Config(recipe="fp4").build()
+    with pytest.raises(ValueError, match="fallback must be"):
+        FP8Converter.Config(fallback="sometimes").build()
