@@ -14,7 +14,9 @@ pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"  
 pip install -q --disable-pip-version-check --no-deps "torchao==0.18.0"  # the demo's torchao MoE recipes
 # fp8ops.integrations.torchtitan's tests; without its pins on datasets and huggingface_hub (they
 # would downgrade transformers' huggingface_hub), with the packages its trainer imports
-pip install -q --disable-pip-version-check --no-deps "torchtitan==0.3.0" && pip install -q --disable-pip-version-check "tyro==1.0.17" "spmd_types==0.2.3" "torchdata==0.11.0" "tensorboard==2.21.0" "datasets==5.2.0"
+pip install -q --disable-pip-version-check --no-deps "torchtitan==0.3.0"
+pip install -q --disable-pip-version-check "tyro==1.0.17" "spmd_types==0.2.3" "torchdata==0.11.0" \
+  "tensorboard==2.21.0" "datasets==5.2.0"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build
