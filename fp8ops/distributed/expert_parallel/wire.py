@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ...nn.grouped_quantizers import RowsCast
 from ...nn.quantizers import quantizer_for
 from ...scaling import current_scale, grad_margin
+from ..wire import blocks
 from .routing import Routing, all_to_all_rows
 
 _ops = torch.ops.fp8ops
@@ -63,20 +64,16 @@ def cast(rows: torch.Tensor, offsets: torch.Tensor, recipe, fmt, margin: float,
 def send(wire: WireCast, routing: Routing) -> WireCast:
     """The cast's rows to the ranks holding their experts (one all_to_all_single), sorted there
     by local expert; a per-expert scale_inv narrowed to the local experts."""
-    data = wire.data.view(torch.uint8)
-    K = data.shape[1]
-    packed = data
-    if wire.blockwise:  # the scales' bytes beside the rows'
-        packed = torch.cat([data, wire.scale_inv.view(torch.uint8)], dim=1)
+    K = wire.data.shape[1]
+    # the scales' bytes beside the rows' (blockwise), else the bytes alone
+    packed = (blocks.pack(wire.data, wire.scale_inv) if wire.blockwise
+              else wire.data.view(torch.uint8))
     got = all_to_all_rows(packed, routing.recv_splits, routing.send_splits, routing.group)
-    got = got[routing.order]
-    out = got[:, :K].contiguous().view(wire.data.dtype)
-    if wire.blockwise:
-        scale_inv = got[:, K:].contiguous().view(_F32)
-    else:
+    data, scale_inv = blocks.unpack(got[routing.order], K, wire.data.dtype)
+    if not wire.blockwise:
         local = routing.local_offsets.shape[0]
         scale_inv = wire.scale_inv[routing.first_expert:routing.first_expert + local]
-    return WireCast(out, scale_inv, wire.blockwise)
+    return WireCast(data.contiguous(), scale_inv, wire.blockwise)
 
 
 def values(wire: WireCast, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

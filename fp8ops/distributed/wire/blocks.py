@@ -36,8 +36,19 @@ def encode(x: torch.Tensor, dtype: torch.dtype, block_size: int) -> torch.Tensor
     rows, n = x.shape
     if n == 0:
         return torch.empty((rows, 0), dtype=torch.uint8, device=x.device)
-    data, scale_inv = torch.ops.fp8ops.quantize_blockwise(x, dtype, 1, block_size, False)
+    return pack(*torch.ops.fp8ops.quantize_blockwise(x, dtype, 1, block_size, False))
+
+
+def pack(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """[R, n] FP8 bytes and their [R, b] float32 scales side by side in one [R, n + 4 b] uint8
+    buffer: one collective moves both."""
     return torch.cat([data.view(torch.uint8), scale_inv.contiguous().view(torch.uint8)], dim=1)
+
+
+def unpack(packed: torch.Tensor, n: int, dtype: torch.dtype):
+    """pack's inverse: (the [R, n] FP8 bytes, a view; their float32 scales, a fresh aligned
+    copy)."""
+    return packed[:, :n].view(dtype), packed[:, n:].contiguous().view(torch.float32)
 
 
 def _split(packed: torch.Tensor, n: int, dtype: torch.dtype, block_size: int):
@@ -45,9 +56,7 @@ def _split(packed: torch.Tensor, n: int, dtype: torch.dtype, block_size: int):
     if packed.shape[1] != n + 4 * nb:
         raise ValueError(f"fp8ops: an FP8 buffer of {packed.shape[1]} bytes a row does not hold "
                          f"{n} values in blocks of {block_size}")
-    data = packed[:, :n].view(dtype)
-    scale_inv = packed[:, n:].contiguous().view(torch.float32)  # (a fresh, aligned copy)
-    return data, scale_inv
+    return unpack(packed, n, dtype)
 
 
 def decode_sum(packed: torch.Tensor, n: int, dtype: torch.dtype, block_size: int,
