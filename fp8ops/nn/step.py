@@ -11,18 +11,18 @@ call (lookup) and keeps a new one (store); the C++ backward vouches for it throu
 grad_word, and reads whether a delayed-scaling layer records through its state's
 recording_word.
 
-Which calls take it: current and delayed per-tensor scaling with round-to-nearest casts,
-blockwise and MXFP8 scaling, on a plain local weight, in eager mode, activation-checkpoint
-recomputes and CUDA-graph capture included (there every call casts the weight, as on the
-Python path). The Python path keeps stochastic rounding, a percentile amax, tensor-parallel
-shards, FSDP2's gathered weights, a host-offloaded weight, a weight with a main_grad, a sampled
-monitor step, torch.compile, and under delayed scaling torch.distributed and forwards without
-grad. A call the layer's fallback sends to nn.Linear's GEMMs goes there directly. The decision
-depends on the kind of call (input and weight dtypes and devices, grad and inference mode,
-training, autocast, and the token count where a fallback rule reads it): FP8Linear.forward
-makes it once per kind (plan_for) and keeps it; what can change between calls of one kind (the
-recipe, the state, a monitor, the weight's type) it compares on every call without entering a
-Python function.
+Which calls take it: current and delayed per-tensor scaling with round-to-nearest casts, blockwise
+and MXFP8 scaling, on a plain local weight, in eager mode, activation-checkpoint recomputes,
+CUDA-graph capture (there every call casts the weight, as on the Python path) and FSDP2's weights
+gathered in high precision (the cache keys them on their sharded parameter, as the Python path does)
+included. The Python path keeps stochastic rounding, a percentile amax, tensor-parallel shards,
+FSDP2's weights gathered in FP8, a host-offloaded weight, a weight with a main_grad, a sampled
+monitor step, torch.compile, and under delayed scaling torch.distributed and forwards without grad.
+A call the layer's fallback sends to nn.Linear's GEMMs goes there directly. The decision depends on
+the kind of call (input and weight dtypes and devices, grad and inference mode, training, autocast,
+and the token count where a fallback rule reads it): FP8Linear.forward makes it once per kind
+(plan_for) and keeps it; what can change between calls of one kind (the recipe, the state, a
+monitor, the weight's type) it compares on every call without entering a Python function.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch
 from ..scaling.world import WORLD, initialized as _distributed
 from ..scaling import grad_margin
 from ..scaling.role import BUFFERS
-from ..scaling.weight_cache import GRADIENT, KEY
+from ..scaling.weight_cache import BACKWARD, GRADIENT, KEY
 from .fallback import crossover
 from .functional import linear
 from .quantizers import quantizer_for
@@ -137,7 +137,11 @@ def run_current(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
         capturing = torch._C._cuda_isCurrentStreamCapturing()
     if not capturing:
         recompute = torch._C._current_graph_task_id() != -1  # activation checkpointing's
-        payload, scale = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT)
+        source = cache.source  # FSDP2's sharded parameter, when the weight is its gathered copy
+        if source is not None:
+            source = source()
+        payload, scale = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT
+                                      if source is None else BACKWARD, source=source)
     x2 = input.reshape(-1, weight.shape[1])
     # the C++ backward sets the cache's grad_word when it computed the weight's gradient from
     # this cast (WeightCache.expect_grad's part on the Python path)
@@ -227,7 +231,11 @@ def run_block(plan: Plan, state, input: torch.Tensor, weight: torch.Tensor,
         capturing = torch._C._cuda_isCurrentStreamCapturing()
     if not capturing:
         recompute = torch._C._current_graph_task_id() != -1
-        payload, _ = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT)
+        source = cache.source  # (as in run_current)
+        if source is not None:
+            source = source()
+        payload, _ = cache.lookup(weight, live=False, trust=KEY if recompute else GRADIENT
+                                  if source is None else BACKWARD, source=source)
     op, mx, args = plan.args[0], plan.args[1], plan.args[2:]
     x2 = input.reshape(-1, weight.shape[1])
     if payload is None:

@@ -20,8 +20,11 @@ fooled vouches that the values are those it was cast from:
     torch.distributed the mark follows DDP's in-place write of the all-reduced gradient at the
     end of the same backward pass). So eval forwards and forwards no backward followed recast
     too. Other vouchers: activation checkpointing's recompute (the forward's own cast: the key
-    alone), a weight whose values only the generation can change (an offloaded host master;
-    FSDP2's gathered copy of its sharded parameter: a backward since the cast), and vouch()
+    alone, wherever a weight gathered from a source lives, as FSDP2 gathers it again for the
+    recompute; selective checkpointing replays the recompute's ops against the forward's, so
+    the recompute must reuse the cast and cast nothing), a weight whose values only the
+    generation can change (an offloaded host master; FSDP2's gathered copy of its sharded
+    parameter: a backward since the cast), and vouch()
     (the caller's word, as Transformer Engine's is_first_microbatch=False: the key alone, until
     the generation moves).
 A gradient alone never vouches: it cannot tell a micro-batch of an accumulation window from a
@@ -350,7 +353,11 @@ class WeightCache:
             held = (item is not None and item.holder is not None and item.ref() is target
                     and item.holder() is not None)
         self._miss = (where, values, None)
-        if (window and held and entry.payload is not None and entry.where == where
+        # (a copy gathered again from the same source under the key alone, such as FSDP2's
+        # re-gather for an activation checkpoint's recompute, holds the same values wherever it
+        # lives: the recompute must reuse the forward's cast, as the forward did no other cast)
+        if (window and held and entry.payload is not None
+                and (entry.where == where or (trust == KEY and source is not None))
                 and (inference or not entry.inference)):
             hooked, watched = self._hooked, self._watched
             if (hooked is None or hooked[0]() is not param or watched is None
