@@ -166,7 +166,16 @@ def _errors(mesh):
     prepare = fp8ops.PrepareFP8ModuleInput(input_layouts=Shard(1),
                                            desired_input_layouts=Replicate())
     twice = par(lin(64, 64), mesh, colwise())
+    from fp8ops.distributed.tensor_parallel import shard_scales
+    marked = {dim: lin(64, 64) for dim in (0, 1)}
+    for dim, layer in marked.items():
+        shard_scales(layer, mesh, dim, "a framework's sharding")
     return {
+        # shard_scales, for weights a framework shards by itself: the roles it marks
+        "shard_scales_roles": {dim: sorted(layer.fp8_state.shard_meshes)
+                               for dim, layer in marked.items()},
+        "shard_scales_block": _catch(lambda: shard_scales(
+            lin(64, 96, recipe=fp8ops.MXFP8Scaling()), mesh, 0, "a framework's sharding")),
         "nn_linear": _catch(lambda: par(nn.Linear(64, 256), mesh, colwise())),
         # 96 over 2 ranks: shards of 48, not a multiple of MXFP8's 32
         "mx_colwise": _catch(lambda: par(lin(64, 96, recipe=fp8ops.MXFP8Scaling()), mesh,
@@ -433,6 +442,9 @@ def test_errors(tp_runs):
     kind, msg = errors["blockwise_rowwise"]
     assert kind == "ValueError" and "in_features = 128" in msg and "multiple of 128" in msg
     assert errors["per_tensor_any_cut"] is None  # one scale per tensor: any cut
+    assert errors["shard_scales_roles"] == {0: ["grad", "weight"], 1: ["input", "weight"]}
+    kind, msg = errors["shard_scales_block"]
+    assert kind == "ValueError" and msg.startswith("a framework's sharding") and "32" in msg
     kind, msg = errors["percentile"]
     assert kind == "ValueError" and "percentile" in msg
     kind, msg = errors["mesh_2d"]

@@ -246,10 +246,11 @@ def _layer_summary(model) -> dict:
 
 def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir,
                compiled=False, tensor_parallel=False):
-    """Train the llama3 debug model, converted with `recipe` (None: unconverted); `compiled`:
-    with torchtitan's torch.compile of each block; `tensor_parallel`: torchtitan's tensor
-    parallelism over the 2 ranks instead of FSDP2, without activation checkpointing. One process
-    group per run: a second Trainer in the same processes trips over the first one's meshes."""
+    """Train the llama3 debug model, converted with `recipe` (None: unconverted); `compiled`: with
+    torchtitan's torch.compile of each block; `tensor_parallel`: torchtitan's tensor parallelism
+    over the 2 ranks instead of FSDP2 (and torchtitan's selective activation checkpointing, as every
+    run here). One process group per run: a second Trainer in the same processes trips over the
+    first one's meshes."""
     _cpu_shim()
     from torchtitan.models.llama3 import config_registry, model_registry
 
@@ -264,9 +265,22 @@ def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_di
     if tensor_parallel:
         config.parallelism.data_parallel_shard_degree = 1
         config.parallelism.tensor_parallel_degree = 2
-        config.activation_checkpoint = None
     trained = _train(config)
-    return {"losses": trained["losses"], **_layer_summary(trained["model"])}
+    summary = {"losses": trained["losses"], **_layer_summary(trained["model"])}
+    if tensor_parallel:
+        summary.update(_tensor_parallel_scales(trained["model"]))
+    return summary
+
+
+def _tensor_parallel_scales(model) -> dict:
+    """Per FP8 layer: the roles whose amaxes it all-reduces over the "tp" mesh, and the scale
+    of its last weight cast (of this rank's shard)."""
+    from fp8ops.integrations.torchtitan import FP8TitanLinear
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8TitanLinear)}
+    return {"sharded_roles": {n: sorted(m.fp8_state.shard_meshes) for n, m in layers.items()},
+            "weight_scales": {n: m.fp8_state.weight_cache.entry.scale.clone()
+                              for n, m in layers.items()}}
 
 
 def _moe_run(rank, out_dir):
@@ -335,16 +349,23 @@ def test_compiled_model_trains_within_3_percent(llama_runs, tmp_path):
 
 def test_tensor_parallel_trains_within_3_percent(llama_runs, tmp_path):
     """torchtitan's tensor parallelism (its sharding configs, carried over by the converter)
-    over the 2 ranks: every FP8 weight sharded over "tp", every call FP8. Without activation
-    checkpointing: under torchtitan's selective checkpointing the backward fails (the recompute
-    of a tensor-parallel FP8 layer calls fp8ops.quantize where the forward did not;
-    docs/torchtitan.md)."""
+    over the 2 ranks, with its selective activation checkpointing: every FP8 weight sharded over
+    "tp", every call FP8, and the per-tensor scales those of the whole tensors: the sharded
+    roles' amaxes all-reduced over "tp" (colwise layers: weight and output gradient; rowwise,
+    wo and w2: weight and input), so both ranks cast their weight shards with one scale."""
     base = llama_runs["baseline"]["losses"]
-    fp8 = _spawn_run(partial(_llama_run, "current", str(tmp_path), 0, -1,
-                             tensor_parallel=True))
+    results = spawn(partial(_llama_run, "current", str(tmp_path), 0, -1, tensor_parallel=True))
+    assert results[0]["losses"] == results[1]["losses"]
+    fp8 = results[0]
     assert set(_block_linears(fp8).values()) == {"fp8"}
     assert fp8["tp_sharded"] == fp8["fp8_layers"] > 0
     assert fp8["high_precision_calls"] == 0
+    roles = fp8["sharded_roles"]
+    assert len(roles) == fp8["fp8_layers"]
+    for name, sharded in roles.items():
+        rowwise = name.endswith((".wo", ".w2"))
+        assert sharded == (["input", "weight"] if rowwise else ["grad", "weight"]), name
+        assert torch.equal(results[0]["weight_scales"][name], results[1]["weight_scales"][name])
     assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.03 * base[STEPS], (fp8["losses"], base)
 
 

@@ -44,7 +44,7 @@ from ..nn.quantizers import quantizer_for
 from ..scaling import CurrentScaling, current_scale, weight_cache
 from ..scaling.amax_all_reduce import shard_amax
 
-__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput"]
+__all__ = ["FP8ColwiseParallel", "FP8RowwiseParallel", "PrepareFP8ModuleInput", "shard_scales"]
 
 _ops = torch.ops.fp8ops
 _GATHERED = "_fp8ops_gathered"  # the attribute that carries an FP8-gathered input's cast
@@ -166,11 +166,27 @@ def _prepare_weight(module: FP8Linear, sharded_roles) -> None:
     _hook_weight(module)
 
 
-def _partition(module: FP8Linear, mesh, weight_dim: int, bias_placement, src_data_rank,
-               sharded_roles) -> None:
+# the roles whose tensors the ranks hold in shards, by the weight's sharded dimension:
+# colwise (0) shards the weight and the output's gradient, rowwise (1) the weight and the input
+SHARDED_ROLES = {0: ("weight", "grad"), 1: ("weight", "input")}
+
+
+def shard_scales(module: FP8Linear, mesh, weight_dim: int, who: str) -> None:
+    """Make the FP8 layer `module`, whose weight the 1-D `mesh` shards along `weight_dim` (0:
+    out_features, colwise; 1: in_features, rowwise), scale as one process does: per-tensor
+    scales from amaxes all-reduced over the mesh (ScalingState.shard_over), block scales from
+    shards checked to start on block boundaries (raises ValueError naming `who` otherwise).
+    The styles here call it; so does a framework that shards FP8Linear weights itself."""
+    features = ("out_features", "in_features")[weight_dim]
+    _check_blocks(module.recipe, getattr(module, features), mesh.size(), features, who)
     if quantizer_for(module.recipe).scale_block is None:  # (block scales are local)
-        for role in sharded_roles:
+        for role in SHARDED_ROLES[weight_dim]:
             module.fp8_state.shard_over(role, mesh)
+
+
+def _partition(module: FP8Linear, mesh, weight_dim: int, bias_placement, src_data_rank,
+               who: str) -> None:
+    shard_scales(module, mesh, weight_dim, who)
     _shard(module, "weight", Shard(weight_dim), mesh, src_data_rank)
     if module.bias is not None:
         _shard(module, "bias", bias_placement, mesh, src_data_rank)
@@ -213,9 +229,7 @@ def _shard_module(style, module: nn.Module, device_mesh, dim: int, bias_placemen
     name = type(style).__name__
     _check_mesh(device_mesh, name)
     _check_module(module, name)
-    features = ("out_features", "in_features")[dim]
-    _check_blocks(module.recipe, getattr(module, features), device_mesh.size(), features, name)
-    _partition(module, device_mesh, dim, bias_placement, style.src_data_rank, style.SHARDED)
+    _partition(module, device_mesh, dim, bias_placement, style.src_data_rank, name)
     return _install(style, module, device_mesh)
 
 
@@ -224,7 +238,7 @@ class FP8ColwiseParallel(ColwiseParallel):
     output_layouts, use_local_output). The weight and bias are sharded along out_features; the
     layer computes on its shard with the scales of the whole weight and gradient."""
 
-    SHARDED = ("weight", "grad")  # the roles whose tensors the ranks hold in shards
+    SHARDED = SHARDED_ROLES[0]  # the roles whose tensors the ranks hold in shards
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return _shard_module(self, module, device_mesh, 0, Shard(0))
@@ -259,7 +273,7 @@ class FP8RowwiseParallel(RowwiseParallel):
     replicated; the layer computes a partial sum on its shard (with the scales of the whole
     input and weight), reduced to output_layouts, then adds the bias."""
 
-    SHARDED = ("weight", "input")
+    SHARDED = SHARDED_ROLES[1]
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
