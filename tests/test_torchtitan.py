@@ -245,12 +245,12 @@ def _layer_summary(model) -> dict:
 
 
 def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir,
-               compiled=False, tensor_parallel=False):
+               compiled=False, tensor_parallel=False, checkpointing=True):
     """Train the llama3 debug model, converted with `recipe` (None: unconverted); `compiled`: with
     torchtitan's torch.compile of each block; `tensor_parallel`: torchtitan's tensor parallelism
     over the 2 ranks instead of FSDP2 (and torchtitan's selective activation checkpointing, as every
-    run here). One process group per run: a second Trainer in the same processes trips over the
-    first one's meshes."""
+    run here, unless not `checkpointing`). One process group per run: a second Trainer in the
+    same processes trips over the first one's meshes."""
     _cpu_shim()
     from torchtitan.models.llama3 import config_registry, model_registry
 
@@ -265,6 +265,8 @@ def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_di
     if tensor_parallel:
         config.parallelism.data_parallel_shard_degree = 1
         config.parallelism.tensor_parallel_degree = 2
+    if not checkpointing:
+        config.activation_checkpoint = None
     trained = _train(config)
     summary = {"losses": trained["losses"], **_layer_summary(trained["model"])}
     if tensor_parallel:
@@ -349,10 +351,11 @@ def test_compiled_model_trains_within_3_percent(llama_runs, tmp_path):
 
 def test_tensor_parallel_trains_within_3_percent(llama_runs, tmp_path):
     """torchtitan's tensor parallelism (its sharding configs, carried over by the converter)
-    over the 2 ranks, with its selective activation checkpointing: every FP8 weight sharded over
-    "tp", every call FP8, and the per-tensor scales those of the whole tensors: the sharded
-    roles' amaxes all-reduced over "tp" (colwise layers: weight and output gradient; rowwise,
-    wo and w2: weight and input), so both ranks cast their weight shards with one scale."""
+    over the 2 ranks, with its selective activation checkpointing (as without it, bit for bit):
+    every FP8 weight sharded over "tp", every call FP8, and the per-tensor scales those of the
+    whole tensors: the sharded roles' amaxes all-reduced over "tp" (colwise layers: weight and
+    output gradient; rowwise, wo and w2: weight and input), so both ranks cast their weight
+    shards with one scale."""
     base = llama_runs["baseline"]["losses"]
     results = spawn(partial(_llama_run, "current", str(tmp_path), 0, -1, tensor_parallel=True))
     assert results[0]["losses"] == results[1]["losses"]
@@ -367,6 +370,11 @@ def test_tensor_parallel_trains_within_3_percent(llama_runs, tmp_path):
         assert sharded == (["input", "weight"] if rowwise else ["grad", "weight"]), name
         assert torch.equal(results[0]["weight_scales"][name], results[1]["weight_scales"][name])
     assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.03 * base[STEPS], (fp8["losses"], base)
+    # the checkpointed blocks' recompute reuses each forward's casts: the run without
+    # activation checkpointing gives the same losses, bit for bit
+    plain = _spawn_run(partial(_llama_run, "current", str(tmp_path / "plain"), 0, -1,
+                               tensor_parallel=True, checkpointing=False))
+    assert plain["losses"] == fp8["losses"]
 
 
 def test_dcp_resume_is_bit_exact(llama_runs):
