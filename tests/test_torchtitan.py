@@ -285,16 +285,32 @@ def _tensor_parallel_scales(model) -> dict:
                               for n, m in layers.items()}}
 
 
-def _moe_run(rank, out_dir):
+def _moe_run(converted, fp8_all_gather, rank, out_dir):
+    """Train the deepseek_v3 debug model (MoE), converted with current scaling or not."""
     _cpu_shim()
     from torchtitan.models.deepseek_v3 import config_registry, model_registry
 
     from fp8ops.integrations.torchtitan import FP8Converter
 
+    converters = [FP8Converter.Config(recipe="current", fp8_all_gather=fp8_all_gather)]
     config = _trainer_config(config_registry.deepseek_v3_debugmodel, model_registry,
-                             [FP8Converter.Config(recipe="current")], out_dir)
+                             converters if converted else None, out_dir)
     trained = _train(config)
-    return {"losses": trained["losses"], **_layer_summary(trained["model"])}
+    return {"losses": trained["losses"], **_layer_summary(trained["model"]),
+            "experts_gathered": _experts_gathered(trained["model"])}
+
+
+def _experts_gathered(model) -> list:
+    """Per FP8 experts parameter: whether FSDP2 gathers it in FP8 (its shard's local tensor
+    is fp8ops' FP8WeightShard)."""
+    from torch.distributed.tensor import DTensor
+
+    from fp8ops.distributed.fsdp import FP8WeightShard
+    from fp8ops.integrations.torchtitan import FP8GroupedExperts
+
+    return [isinstance(p, DTensor) and isinstance(p._local_tensor, FP8WeightShard)
+            for m in model.modules() if isinstance(m, FP8GroupedExperts)
+            for p in (m.w1_EFD, m.w2_EDF, m.w3_EFD)]
 
 
 def _spawn_run(worker) -> dict:
@@ -384,16 +400,25 @@ def test_dcp_resume_is_bit_exact(llama_runs):
 
 
 def test_moe_trains_with_fp8_experts():
-    result = _spawn_run(_moe_run)
-    assert result["fp8_experts"] > 0
-    assert "fp8" in _block_linears(result).values()
-    gates = {n: kind for n, kind in result["linears"].items() if n.endswith("router.gate")}
+    """The deepseek_v3 debug model: FP8 experts (their parameters gathered in FP8 by FSDP2, bit
+    for bit the run that gathers them in high precision), the router gates in high precision,
+    the last loss within 5% of the unconverted run's (measured: +2.9%; the routing moves with
+    every rounding of the scores, so MoE runs part further than the dense ones)."""
+    fp8 = _spawn_run(partial(_moe_run, True, True))
+    high = _spawn_run(partial(_moe_run, True, False))
+    base = _spawn_run(partial(_moe_run, False, False))["losses"]
+    assert fp8["fp8_experts"] > 0
+    assert fp8["experts_gathered"] and all(fp8["experts_gathered"])
+    assert high["experts_gathered"] and not any(high["experts_gathered"])
+    assert fp8["losses"] == high["losses"]  # the same casts, fewer bytes on the wire
+    assert "fp8" in _block_linears(fp8).values()
+    gates = {n: kind for n, kind in fp8["linears"].items() if n.endswith("router.gate")}
     assert gates and set(gates.values()) == {"high precision"}, gates
-    assert result["linears"]["lm_head"] == "high precision"
-    losses = result["losses"]
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert all(math.isfinite(v) for v in losses.values())
-    assert losses[STEPS] < 0.5 * losses[1], losses
+    assert fp8["linears"]["lm_head"] == "high precision"
+    assert sorted(fp8["losses"]) == list(range(1, STEPS + 1))
+    assert base[STEPS] < 0.5 * base[1], base  # the baseline learns
+    assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.05 * base[STEPS], (fp8["losses"], base)
+    assert fp8["losses"] != base
 
 
 def test_import_fp8ops_does_not_import_torchtitan():

@@ -36,9 +36,9 @@ class FP8Converter(QuantizationConverter):
         FP8 to pay), "never"."""
 
         fp8_all_gather: bool = True
-        """Under FSDP2, gather the FP8 layers' weights in FP8 where the recipe allows (not when
-        model_compile_enabled: torchtitan compiles each block as one graph, which a layer
-        reading an FP8-gathered weight would break)."""
+        """Under FSDP2, gather the FP8 layers' weights (and the FP8 experts') in FP8 where the
+        recipe allows (not when model_compile_enabled: torchtitan compiles each block as one
+        graph, which a layer reading an FP8-gathered weight would break)."""
 
         filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
         """Modules left in high precision: those whose name contains one of these."""
@@ -75,7 +75,8 @@ class FP8Converter(QuantizationConverter):
                     or any(name in fqn for name in cfg.filter_fqns)):
                 continue
             values = {f.name: getattr(grouped, f.name) for f in fields(grouped)}
-            _replace(parent, attr, FP8GroupedExperts.Config(**values, recipe=cfg.recipe))
+            _replace(parent, attr, FP8GroupedExperts.Config(**values, recipe=cfg.recipe,
+                                                            fp8_all_gather=gather))
             experts += 1
         logger.info("fp8ops: %d Linear layers and %d expert groups converted to FP8 (recipe "
                     "%s)", linears, experts, cfg.recipe)
