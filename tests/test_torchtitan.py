@@ -1,27 +1,20 @@
 """fp8ops.integrations.torchtitan: torchtitan's own Trainer trains its debug models with
 FP8Converter on 2 gloo ranks (FSDP2 over the two), on the CPU.
 
-torchtitan targets accelerators; the test runs it unmodified through a small shim (_cpu_shim,
-applied in the spawned ranks only, never to torchtitan's files):
-  - device: torchtitan picks its device type and module once at import (CUDA when none is
-    found); the shim points every torchtitan module that took them at "cpu" and a stub device
-    module (no memory statistics, one device), and the local device at the CPU;
-  - reductions: torchtitan's FSDP2 divides gradients by a factor of 1, which FSDP2 runs as a
-    PREMUL_SUM reduce-scatter, one gloo has not: the shim has FSDP2 reduce with SUM (the same
-    sums: the factor is 1);
-  - attention: flex attention needs torch.compile on the CPU; the model configs get
-    torchtitan's ScaledDotProductAttention (causal, which the single-document rows here are);
-  - data: no tokenizer or dataset ships with the torchtitan wheel; a tokenizer stub and a
-    synthetic dataloader (each row a stretch of a fixed cycle through CYCLE of the vocabulary's
-    tokens, from a random start; stateful, so DCP checkpoints it) stand in. A short cycle is
-    learnt within the 10 steps, so the loss falls well beyond its step-to-step noise.
+torchtitan targets accelerators; the test runs it unmodified through a small shim
+(titan_shim.py: the device type "cpu", FSDP2's reductions as SUM, SDPA attention), applied in
+the spawned ranks only, never to torchtitan's files. No tokenizer or dataset ships with the
+torchtitan wheel: a tokenizer stub and a synthetic dataloader (each row a stretch of a fixed
+cycle through CYCLE of the vocabulary's tokens, from a random start; stateful, so DCP
+checkpoints it) stand in. A short cycle is learnt within the 10 steps, so the loss falls well
+beyond its step-to-step noise. The torchrun command itself (torchtitan.train's main) runs once,
+on a tokenizer and a dataset written for it (titan_cli_main.py).
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
-import types
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,84 +24,13 @@ import torch
 pytest.importorskip("torchtitan")
 
 from dist_spawn import spawn  # noqa: E402
+from titan_shim import cpu_shim, force_sum_reductions, sdpa  # noqa: E402
 
 STEPS = 10
 SEQ_LEN = 64
 BATCH = 2
 RECIPES = ("delayed", "current", "mxfp8", "blockwise")
 CYCLE = 64  # tokens of the synthetic data's cycle
-
-
-# ---- the shim --------------------------------------------------------------------------------
-
-class _CPUDevice(types.SimpleNamespace):
-    """What torchtitan asks of its device module, for the CPU (no memory statistics)."""
-
-    @staticmethod
-    def set_device(device):
-        pass
-
-    @staticmethod
-    def device_count():
-        return 1
-
-    @staticmethod
-    def get_device_name(device=None):
-        return "cpu"
-
-    @staticmethod
-    def current_device():
-        return 0
-
-    @staticmethod
-    def get_device_properties(device=None):
-        return types.SimpleNamespace(total_memory=1 << 34, name="cpu")
-
-    @staticmethod
-    def reset_peak_memory_stats(device=None):
-        pass
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-    @staticmethod
-    def memory_stats(device=None):
-        return {}
-
-    @staticmethod
-    def synchronize(device=None):
-        pass
-
-
-def _cpu_shim() -> None:
-    """Point torchtitan's device type and module at the CPU (module doc)."""
-    import torchtitan.trainer  # noqa: F401  (imports the modules that hold the device)
-    from torchtitan.tools import utils
-
-    device = _CPUDevice()
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("torchtitan") or module is None:
-            continue
-        if getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-        if getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = device
-        if getattr(module, "get_local_device", None) is utils.get_local_device:
-            module.get_local_device = lambda: torch.device("cpu")
-    utils.get_local_device = lambda: torch.device("cpu")
-
-
-def _sdpa(model_config):
-    """model_config with torchtitan's SDPA in place of its flex attention."""
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-
-    for _fqn, _cfg, parent, attr in list(model_config.traverse(FlexAttention.Config)):
-        if isinstance(parent, list):
-            parent[attr] = ScaledDotProductAttention.Config()
-        else:
-            setattr(parent, attr, ScaledDotProductAttention.Config())
-    return model_config
 
 
 def _data_classes():
@@ -178,7 +100,7 @@ def _trainer_config(base, model_registry, converters, out_dir, *, checkpoint_int
     tokenizer, dataloader = _data_classes()
     config = base()
     config.model_spec = model_registry("debugmodel", converters=converters)
-    _sdpa(config.model_spec.model)
+    sdpa(config.model_spec.model)
     if n_layers is not None:
         config.model_spec.model.layers = config.model_spec.model.layers[:n_layers]
     config.tokenizer = tokenizer.Config()
@@ -200,12 +122,8 @@ def _train(config) -> dict:
     """Train; the loss of every step (torchtitan's logged global average) and the model."""
     from torchtitan.trainer import Trainer
 
-    from torch.distributed.fsdp import FSDPModule
-
     trainer = Trainer(config)
-    for module in trainer.model_parts[0].modules():  # gloo has no PREMUL_SUM (module doc)
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
+    force_sum_reductions(trainer.model_parts[0])  # (gloo has no PREMUL_SUM: titan_shim.py)
     losses = {}
     log = trainer.metrics_processor.log
 
@@ -251,7 +169,7 @@ def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_di
     over the 2 ranks instead of FSDP2 (and torchtitan's selective activation checkpointing, as every
     run here, unless not `checkpointing`). One process group per run: a second Trainer in the
     same processes trips over the first one's meshes."""
-    _cpu_shim()
+    cpu_shim()
     from torchtitan.models.llama3 import config_registry, model_registry
 
     from fp8ops.integrations.torchtitan import FP8Converter
@@ -287,7 +205,7 @@ def _tensor_parallel_scales(model) -> dict:
 
 def _moe_run(converted, fp8_all_gather, rank, out_dir):
     """Train the deepseek_v3 debug model (MoE), converted with current scaling or not."""
-    _cpu_shim()
+    cpu_shim()
     from torchtitan.models.deepseek_v3 import config_registry, model_registry
 
     from fp8ops.integrations.torchtitan import FP8Converter
@@ -399,6 +317,47 @@ def test_dcp_resume_is_bit_exact(llama_runs):
     assert resumed == {step: straight[step] for step in resumed}
 
 
+def _hf_checkpoint_run(load, folder, rank, out_dir):
+    """5 steps of the llama3 debug model (delayed scaling), saving its last step in Hugging Face
+    format (torchtitan's state-dict adapter), or, with `load`, starting from that checkpoint."""
+    cpu_shim()
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.models.llama3 import config_registry, model_registry
+
+    from fp8ops.integrations.torchtitan import FP8Converter
+
+    config = _trainer_config(config_registry.llama3_debugmodel, model_registry,
+                             [FP8Converter.Config(recipe="delayed")], folder)
+    config.training.steps = 5
+    if load:
+        config.checkpoint = CheckpointManager.Config(
+            enable=True, folder="loaded", initial_load_in_hf=True,
+            initial_load_path=os.path.join(folder, "checkpoint", "step-5"))
+    else:
+        config.checkpoint = CheckpointManager.Config(
+            enable=True, folder="checkpoint", interval=500, last_save_model_only=True,
+            last_save_in_hf=True, export_dtype="float32")
+    return {"losses": _train(config)["losses"]}
+
+
+def test_hugging_face_checkpoint_round_trip(tmp_path):
+    """torchtitan's HF conversion applies to the converted model: the saved checkpoint holds
+    the Llama names and nothing of the FP8 state, and a run loads it (its FP8 state fresh) and
+    starts from the trained weights."""
+    from safetensors import safe_open
+
+    saved = _spawn_run(partial(_hf_checkpoint_run, False, str(tmp_path)))
+    step = tmp_path / "checkpoint" / "step-5"
+    keys = set()
+    for path in step.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            keys.update(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "lm_head.weight" in keys
+    assert not [k for k in keys if "fp8" in k]
+    loaded = _spawn_run(partial(_hf_checkpoint_run, True, str(tmp_path)))
+    assert loaded["losses"][1] < 0.8 * saved["losses"][1], (loaded, saved)
+
+
 def test_moe_trains_with_fp8_experts():
     """The deepseek_v3 debug model: FP8 experts (their parameters gathered in FP8 by FSDP2, bit
     for bit the run that gathers them in high precision), the router gates in high precision,
@@ -419,6 +378,67 @@ def test_moe_trains_with_fp8_experts():
     assert base[STEPS] < 0.5 * base[1], base  # the baseline learns
     assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.05 * base[STEPS], (fp8["losses"], base)
     assert fp8["losses"] != base
+
+
+def _write_assets(root) -> None:
+    """What torchtitan's debug configs read, under root: tests/assets/tokenizer (a word-level
+    tokenizer over CYCLE words and the special tokens) and tests/assets/c4_test (rows of text,
+    each a stretch of the cycle through those words)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(CYCLE)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (root / "tests/assets/tokenizer").mkdir(parents=True)
+    tokenizer.save(str(root / "tests/assets/tokenizer/tokenizer.json"))
+    special = {str(i): {"content": t, "special": True} for t, i in vocab.items() if i < 3}
+    (root / "tests/assets/tokenizer/tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "added_tokens_decoder": special}))
+    (root / "tests/assets/c4_test").mkdir(parents=True)
+    g = torch.Generator().manual_seed(3)
+    starts = torch.randint(0, CYCLE, (256,), generator=g).tolist()
+    rows = [" ".join(words[(s + i) % CYCLE] for i in range(200)) for s in starts]
+    (root / "tests/assets/c4_test/c4.json").write_text(
+        "".join(json.dumps({"text": row}) + "\n" for row in rows))
+
+
+def test_torchrun_command_trains(tmp_path):
+    """The command of docs/torchtitan.md, `torchrun --nproc_per_node=2 -m torchtitan.train
+    --module fp8ops.integrations.torchtitan --config llama3_debugmodel_fp8` with command-line
+    overrides, run through torchtitan.train's own main() (titan_cli_main.py: the CPU shim, then
+    main) on a tokenizer and a dataset written for it: it trains, every block Linear FP8."""
+    import json
+    import subprocess
+
+    _write_assets(tmp_path)
+    out = tmp_path / "result"
+    out.mkdir()
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "titan_cli_main.py")
+    steps = 8
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", script,
+               "--module", "fp8ops.integrations.torchtitan", "--config", "llama3_debugmodel_fp8",
+               "--training.steps", str(steps), "--training.local_batch_size", "2",
+               "--training.seq_len", "64", "--dump_folder", str(tmp_path / "dump")]
+    env = {**os.environ, "FP8OPS_TITAN_OUT": str(out), "OMP_NUM_THREADS": "1",
+           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    losses = {int(k): v for k, v in ranks[0]["losses"].items()}
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[steps] < 0.7 * losses[1], losses  # it learns the cycle
+    blocks = {n: fp8 for n, fp8 in ranks[0]["fp8"].items() if n.startswith("layers.")}
+    assert blocks and all(blocks.values()), blocks
+    assert not ranks[0]["fp8"]["lm_head"]
+    assert ranks[0]["high_precision_calls"] == 0
 
 
 def test_import_fp8ops_does_not_import_torchtitan():
