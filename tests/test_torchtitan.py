@@ -163,12 +163,13 @@ def _layer_summary(model) -> dict:
 
 
 def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir,
-               compiled=False, tensor_parallel=False, checkpointing=True):
+               compiled=False, tensor_parallel=False, checkpointing=True, fsdp_ranks=1):
     """Train the llama3 debug model, converted with `recipe` (None: unconverted); `compiled`: with
     torchtitan's torch.compile of each block; `tensor_parallel`: torchtitan's tensor parallelism
-    over the 2 ranks instead of FSDP2 (and torchtitan's selective activation checkpointing, as every
-    run here, unless not `checkpointing`). One process group per run: a second Trainer in the
-    same processes trips over the first one's meshes."""
+    over 2 ranks, with FSDP2 over `fsdp_ranks` (1: none; the ranks are 2 * fsdp_ranks), and
+    torchtitan's selective activation checkpointing, as every run here, unless not
+    `checkpointing`. One process group per run: a second Trainer in the same processes trips
+    over the first one's meshes."""
     cpu_shim()
     from torchtitan.models.llama3 import config_registry, model_registry
 
@@ -181,7 +182,7 @@ def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_di
                              load_step=load_step)
     config.compile.enable, config.compile.components = compiled, ["model"]
     if tensor_parallel:
-        config.parallelism.data_parallel_shard_degree = 1
+        config.parallelism.data_parallel_shard_degree = fsdp_ranks
         config.parallelism.tensor_parallel_degree = 2
     if not checkpointing:
         config.activation_checkpoint = None
@@ -309,6 +310,27 @@ def test_tensor_parallel_trains_within_3_percent(llama_runs, tmp_path):
     plain = _spawn_run(partial(_llama_run, "current", str(tmp_path / "plain"), 0, -1,
                                tensor_parallel=True, checkpointing=False))
     assert plain["losses"] == fp8["losses"]
+
+
+def test_fsdp2_and_tensor_parallel_together(tmp_path):
+    """FSDP2 over 2 ranks times tensor parallelism over 2 (4 ranks, current scaling): it trains,
+    every FP8 weight sharded over "tp" with the scales of the whole weights; FSDP2 gathers the
+    weights in high precision (fp8ops' FP8 all-gather takes a 1-D mesh; the weights live on the
+    2-D one)."""
+    results = spawn(partial(_llama_run, "current", str(tmp_path), 0, -1, tensor_parallel=True,
+                            fsdp_ranks=2), world=4)
+    fp8 = results[0]
+    assert all(r["losses"] == fp8["losses"] for r in results)
+    assert set(_block_linears(fp8).values()) == {"fp8"}
+    assert fp8["tp_sharded"] == fp8["fp8_layers"] > 0 and fp8["fp8_gathered"] == 0
+    assert fp8["high_precision_calls"] == 0
+    for name, sharded in fp8["sharded_roles"].items():
+        assert "weight" in sharded, name
+        assert all(torch.equal(r["weight_scales"][name], fp8["weight_scales"][name])
+                   for r in results)
+    losses = fp8["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < 0.5 * losses[1], losses
 
 
 def test_dcp_resume_is_bit_exact(llama_runs):
