@@ -134,6 +134,50 @@ def test_exported_bytes_are_the_eval_forwards_casts(tmp_path, recipe):
                 assert torch.equal(saved[f"{name}.weight_scale"], payload[1].float())
 
 
+def test_bf16_mxfp8_exports_in_compressed_tensors_mx_format(tmp_path):
+    """A bfloat16 MXFP8 model: compressed-tensors' "mxfp8-quantized" format, the training
+    scales as E8M0 exponents (uint8), reloaded by transformers with every weight the exported
+    bytes times their power-of-two scales; a float32 model keeps float32 group scales
+    (compressed-tensors decompresses MX weights to bfloat16 only)."""
+    model = _model("llama", "mxfp8").to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 1)
+    ids = _batch(2)["input_ids"]
+    fp8ops.export_fp8(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert config["dtype"] == "bfloat16"
+    assert quant["format"] == quant["config_groups"]["group_0"]["format"] == "mxfp8-quantized"
+    assert quant["config_groups"]["group_0"]["weights"]["scale_dtype"] == "torch.uint8"
+    saved = load_file(tmp_path / "model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        reloaded(ids)  # (compressed-tensors decompresses on the first forward)
+    reloaded_sd = reloaded.state_dict()
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    fp8_keys = [k for k, v in saved.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8_keys
+    for key in fp8_keys:
+        scale = saved[key[:-len("weight")] + "weight_scale"]
+        assert scale.dtype == torch.uint8
+        # the eval forward's own E8M0 scales and bytes, as they are
+        name = key[:-len(".weight")]
+        (data, scales), _ = model.get_submodule(name).fp8_state.weight_cache.entry.payload
+        out, k = saved[key].shape
+        assert torch.equal(scale, scales[:out, :k // 32].view(torch.uint8))
+        assert torch.equal(saved[key].view(torch.uint8), data[:out, :k].view(torch.uint8))
+        want = dequantize(FP8Weight(saved[key], torch.ldexp(
+            torch.ones(scale.shape), scale.to(torch.int32) - 127), "mx"))
+        assert torch.equal(reloaded_sd[key].float(), want), key
+    fp8ops.export_fp8(_model("llama", "mxfp8"), tmp_path / "f32")  # float32: float32 groups
+    quant = json.loads((tmp_path / "f32" / "config.json").read_text())["quantization_config"]
+    assert quant["format"] == "float-quantized"
+    assert load_file(tmp_path / "f32" / "model.safetensors")[
+        "model.layers.0.mlp.up_proj.weight_scale"].dtype == torch.float32
+
+
 def test_quantization_config_passes_compressed_tensors_parser(tmp_path):
     from compressed_tensors.quantization import QuantizationConfig
 

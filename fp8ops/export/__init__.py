@@ -21,7 +21,8 @@ def export_fp8(model: nn.Module, out_dir, *, format: str = "compressed-tensors")
     """Write `model` (a transformers model converted with fp8ops.convert_to_fp8) to `out_dir` as
     an FP8 checkpoint: config.json (the model's config, its dtype that of the parameters, plus
     quantization_config) and model.safetensors. format: "compressed-tensors" (static per-tensor
-    or 128x128-block weight scales, or MXFP8's 1x32 as groups) or "fp8" (transformers'
+    or 128x128-block weight scales; MXFP8's 1x32 blocks in its "mxfp8-quantized" format for a
+    bfloat16 model, as float32 group scales otherwise) or "fp8" (transformers'
     FineGrainedFP8: 128x128 block scales). The FP8 weights are the casts the model's own eval
     forward uses, bit for bit (MXFP8 in format "fp8" excepted: cast again in blocks, warned);
     Linear layers left in high precision are listed as such. Nothing in the model changes: its
@@ -38,17 +39,17 @@ def export_fp8(model: nn.Module, out_dir, *, format: str = "compressed-tensors")
     writer = FORMATS[format]
     plain, weights, ignore = collect(model)
     layout = check_weight_type(weights)
-    tensors = {k: v.contiguous() for k, v in plain.items()}
-    tensors.update(writer.tensors(weights))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if len(dtypes) != 1:
         raise ValueError(f"export_fp8: the parameters have several dtypes "
                          f"({sorted(map(str, dtypes))}): cast the model to one first")
     dtype = dtypes.pop()
+    tensors = {k: v.contiguous() for k, v in plain.items()}
+    tensors.update(writer.tensors(weights, dtype))
     as_dict = config.to_dict()
     as_dict["dtype"] = str(dtype).replace("torch.", "")
     as_dict.pop("torch_dtype", None)
-    as_dict["quantization_config"] = writer.quantization_config(layout, ignore)
+    as_dict["quantization_config"] = writer.quantization_config(layout, ignore, dtype)
     os.makedirs(out_dir, exist_ok=True)
     # (cloned: per-expert tensors are views of one cast, which safetensors refuses)
     save_file({k: v.detach().cpu().clone() for k, v in tensors.items()},

@@ -38,7 +38,9 @@ def check(w: FP8Weight, key: str) -> None:
                 "are multiples of 128")
 
 
-def tensors(fp8: dict) -> dict:
+def tensors(fp8: dict, dtype) -> dict:
+    """The checkpoint's tensors of the FP8 weights `fp8` (the model's dtype: one layout for
+    every dtype here)."""
     out = {}
     if any(w.layout == "mx" for w in fp8.values()):
         warnings.warn(REQUANTIZED, stacklevel=3)
@@ -56,6 +58,6 @@ def tensors(fp8: dict) -> dict:
     return out
 
 
-def quantization_config(layout: str, ignore: list) -> dict:
+def quantization_config(layout: str, ignore: list, dtype) -> dict:
     return {"quant_method": "fp8", "activation_scheme": "dynamic",
             "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": ignore or None}
