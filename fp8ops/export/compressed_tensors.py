@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.emulation import e8m0_to_float
 from .weights import BLOCK
 
 _STRATEGY = {"tensor": {"strategy": "tensor"},
@@ -24,18 +25,14 @@ def _native_mx(layout: str, dtype) -> bool:
     return layout == "mx" and dtype == torch.bfloat16
 
 
-def _e8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 scales as E8M0 exponents (uint8: 2^(e - 127)), exactly."""
-    return (torch.frexp(scale).exponent + 126).to(torch.uint8)  # (frexp: 2^k = 0.5 * 2^(k + 1))
-
-
 def tensors(fp8: dict, dtype) -> dict:
     """The checkpoint's tensors of the FP8 weights `fp8` in a model of `dtype`."""
     out = {}
     for key, w in fp8.items():
         base = key[:-len(".weight")]
-        scale = (w.scale_inv.reshape(1) if w.layout == "tensor" else
-                 _e8m0(w.scale_inv) if _native_mx(w.layout, dtype) else w.scale_inv)
+        scale = w.scale_inv.reshape(1) if w.layout == "tensor" else w.scale_inv
+        if w.layout == "mx" and not _native_mx(w.layout, dtype):
+            scale = e8m0_to_float(scale)  # (the E8M0 bytes' float32 values)
         out[key] = w.data.contiguous()
         out[f"{base}.weight_scale"] = scale.contiguous()
     return out

@@ -1,9 +1,9 @@
 """The FP8 weights an export writes: each converted weight's cast as the model's own eval forward
 would make it now (WeightCache.peek: the cached cast, or the recipe's cast with the scale the
 forward would take), read without changing the model. A weight is (data, scale_inv): data the
-float8_e4m3fn bytes [out, in], scale_inv fp8ops' float32 inverse scale (w = data * scale_inv),
-[] per tensor or [ceil(out / 128), ceil(in / 128)] for 128x128 blocks, or [out, in / 32] for
-MXFP8's 1x32 blocks (power-of-two values decoded from E8M0)."""
+float8_e4m3fn bytes [out, in], scale_inv fp8ops' inverse scale (w = data * scale_inv): float32
+[] per tensor or [ceil(out / 128), ceil(in / 128)] for 128x128 blocks, or MXFP8's E8M0 bytes
+[out, in / 32] as the cast made them (uint8: 2^(byte - 127) for 1x32 blocks)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -14,13 +14,14 @@ from torch import nn
 from ..nn.grouped_quantizers import grouped_quantizer_for
 from ..nn.modules import FP8Conv1D, FP8Linear
 from ..nn.quantizers import quantizer_for
+from ..ops.emulation import e8m0_to_float
 
 BLOCK = 128
 
 
 class FP8Weight(NamedTuple):
     data: torch.Tensor  # float8_e4m3fn [out, in]
-    scale_inv: torch.Tensor  # float32: [] per tensor; [rows, cols] per block
+    scale_inv: torch.Tensor  # float32: [] per tensor; [rows, cols] per block; mx: uint8 E8M0
     layout: str  # "tensor", "block" (128x128) or "mx" (1x32 along in)
 
 
@@ -51,9 +52,7 @@ def _from_payload(kind: str, payload, shape, name: str) -> FP8Weight:
             raise ValueError(f"export_fp8: {name} has {k} input features, not a multiple of "
                              f"MXFP8's {block}-element block: no checkpoint layout holds its "
                              "partial last block")
-        exps = scales[:out, :-(-k // block)].to(torch.int32)
-        return FP8Weight(data[:out, :k], torch.ldexp(torch.ones(exps.shape, dtype=torch.float32),
-                                                     exps - 127), "mx")
+        return FP8Weight(data[:out, :k], scales[:out, :k // block].view(torch.uint8), "mx")
     raise NotImplementedError(f"export_fp8: {name} has a recipe of kind {kind!r}")
 
 
@@ -133,4 +132,4 @@ def dequantize(w: FP8Weight) -> torch.Tensor:
         full = w.scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         return values * full[:out, :k]
     block = -(-k // w.scale_inv.shape[1])
-    return values * w.scale_inv.repeat_interleave(block, 1)[:, :k]
+    return values * e8m0_to_float(w.scale_inv).repeat_interleave(block, 1)[:, :k]
