@@ -345,6 +345,6 @@ def test_empty_rank_and_rows_past_the_last_expert(recipe):
     assert torch.allclose(results[0]["y"], ref, rtol=1e-5, atol=1e-6)
     assert (results[0]["y"][10:] == 0).all() and (results[0]["dx"][10:] == 0).all()
     assert results[1]["y"].shape == (3, D_OUT) and (results[1]["y"] == 0).all()
-    assert results[1]["dx"].shape == (3, D_IN)
+    assert results[1]["dx"].shape == (3, D_IN) and (results[1]["dx"] == 0).all()
     for res in results:
         assert torch.equal(res["again"], res["y"])

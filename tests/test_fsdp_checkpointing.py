@@ -19,13 +19,8 @@ from torch import nn
 
 import fp8ops
 from dist_spawn import spawn
+from test_fsdp_fp8 import RECIPES, shard
 
-RECIPES = {
-    "current": fp8ops.CurrentScaling(),
-    "delayed": fp8ops.DelayedScaling(amax_history_len=4),
-    "blockwise": fp8ops.BlockwiseScaling(),
-    "mxfp8": fp8ops.MXFP8Scaling(),
-}
 STEPS, MICRO = 3, 2
 
 
@@ -61,15 +56,11 @@ def make_model(recipe, fp8_all_gather=True, cpp_step=True):
     return model
 
 
-def checkpointed(model, shard: bool):
-    """Each layer of `model` in a checkpointed region; with `shard`, each Linear its own FSDP2
+def checkpointed(model, sharded: bool):
+    """Each layer of `model` in a checkpointed region; with `sharded`, each Linear its own FSDP2
     unit, resharded after forward (so the recompute gathers it again)."""
-    if shard:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, reshard_after_forward=True)
-        fully_shard(model)
+    if sharded:
+        shard(model, reshard_after_forward=True)
     for i in range(len(model)):
         model[i] = Checkpointed(model[i])
     return model

@@ -46,6 +46,19 @@ def test_given_cast_is_the_own_cast(recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", [fp8ops.CurrentScaling(), fp8ops.BlockwiseScaling()],
+                         ids=["current", "blockwise"])
+def test_forward_reads_the_given_bytes(recipe):
+    """The cast of 2x given with x: the forward is the call on 2x, not on x (the given bytes,
+    not a cast of x made anew)."""
+    x, w, offsets, _ = _operands()
+    with torch.no_grad():
+        given = fp8ops.grouped_linear(x, w, offsets, recipe=recipe,
+                                      input_cast=_own_cast(recipe, 2 * x, offsets))
+        assert torch.equal(given, fp8ops.grouped_linear(2 * x, w, offsets, recipe=recipe))
+        assert not torch.equal(given, fp8ops.grouped_linear(x, w, offsets, recipe=recipe))
+
+
 def test_bad_cast_is_refused():
     x, w, offsets, _ = _operands()
     cast = _own_cast(fp8ops.BlockwiseScaling(), x, offsets)

@@ -24,7 +24,8 @@ import torch
 pytest.importorskip("torchtitan")
 
 from dist_spawn import spawn  # noqa: E402
-from titan_shim import cpu_shim, force_sum_reductions, sdpa  # noqa: E402
+from titan_shim import (cpu_shim, force_sum_reductions, layer_summary,  # noqa: E402
+                        record_losses, sdpa)
 
 STEPS = 10
 SEQ_LEN = 64
@@ -124,42 +125,12 @@ def _train(config) -> dict:
 
     trainer = Trainer(config)
     force_sum_reductions(trainer.model_parts[0])  # (gloo has no PREMUL_SUM: titan_shim.py)
-    losses = {}
-    log = trainer.metrics_processor.log
-
-    def record(step, loss, *args, **kwargs):
-        losses[step] = float(loss)
-        return log(step, loss, *args, **kwargs)
-
-    trainer.metrics_processor.log = record
+    losses = record_losses(trainer)
     try:
         trainer.train()
     finally:
         trainer.close()
     return {"losses": losses, "model": trainer.model_parts[0]}
-
-
-def _layer_summary(model) -> dict:
-    """Which modules of the trained model are what (for the assertions in pytest)."""
-    from fp8ops.integrations.torchtitan import FP8GroupedExperts, FP8TitanLinear
-
-    # (FSDP2 renames the classes of the modules it wraps: FSDPLinear)
-    linears = {n: "fp8" if isinstance(m, FP8TitanLinear) else "high precision"
-               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    fp8 = [m for m in model.modules() if isinstance(m, FP8TitanLinear)]
-    from torch.distributed.tensor import DTensor
-
-    from fp8ops.distributed.fsdp import FP8WeightShard
-
-    gathered = [isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, FP8WeightShard)
-                for m in fp8]
-    tp_sharded = [isinstance(m.weight, DTensor) and "tp" in m.weight.device_mesh.mesh_dim_names
-                  and m.weight.placements[m.weight.device_mesh.mesh_dim_names.index("tp")]
-                  .is_shard() for m in fp8]
-    return {"linears": linears, "fp8_layers": len(fp8), "fp8_gathered": sum(gathered),
-            "tp_sharded": sum(tp_sharded),
-            "high_precision_calls": sum(m.fp8_state.high_precision_calls for m in fp8),
-            "fp8_experts": sum(isinstance(m, FP8GroupedExperts) for m in model.modules())}
 
 
 def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_dir,
@@ -187,7 +158,7 @@ def _llama_run(recipe, dump_folder, checkpoint_interval, load_step, rank, out_di
     if not checkpointing:
         config.activation_checkpoint = None
     trained = _train(config)
-    summary = {"losses": trained["losses"], **_layer_summary(trained["model"])}
+    summary = {"losses": trained["losses"], **layer_summary(trained["model"])}
     if tensor_parallel:
         summary.update(_tensor_parallel_scales(trained["model"]))
     return summary
@@ -215,7 +186,7 @@ def _moe_run(converted, fp8_all_gather, rank, out_dir):
     config = _trainer_config(config_registry.deepseek_v3_debugmodel, model_registry,
                              converters if converted else None, out_dir)
     trained = _train(config)
-    return {"losses": trained["losses"], **_layer_summary(trained["model"]),
+    return {"losses": trained["losses"], **layer_summary(trained["model"]),
             "experts_gathered": _experts_gathered(trained["model"])}
 
 
@@ -457,9 +428,9 @@ def test_torchrun_command_trains(tmp_path):
     assert sorted(losses) == list(range(1, steps + 1))
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[steps] < 0.7 * losses[1], losses  # it learns the cycle
-    blocks = {n: fp8 for n, fp8 in ranks[0]["fp8"].items() if n.startswith("layers.")}
-    assert blocks and all(blocks.values()), blocks
-    assert not ranks[0]["fp8"]["lm_head"]
+    blocks = {n: kind for n, kind in ranks[0]["linears"].items() if n.startswith("layers.")}
+    assert blocks and set(blocks.values()) == {"fp8"}, blocks
+    assert ranks[0]["linears"]["lm_head"] == "high precision"
     assert ranks[0]["high_precision_calls"] == 0
 
 

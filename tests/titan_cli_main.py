@@ -7,20 +7,18 @@ takes the arguments `-m torchtitan.train` takes and runs its main() unchanged, a
 shim (titan_shim.py), in a directory that holds what torchtitan's debug configs read
 (tests/assets/tokenizer, tests/assets/c4_test). The shim's parts that act on the parsed config
 and the built trainer wrap ConfigManager.parse_args (SDPA attention) and Trainer.train (FSDP2's
-SUM reductions); the latter also writes, per rank, the losses torchtitan logged, which Linear
-layers were FP8 and how many of their calls ran in high precision to
-$FP8OPS_TITAN_OUT/rank<r>.json (for tests/test_torchtitan.py)."""
+SUM reductions); the latter also writes, per rank, the losses torchtitan logged and the trained
+model's layer_summary to $FP8OPS_TITAN_OUT/rank<r>.json (for tests/test_torchtitan.py)."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from titan_shim import cpu_shim, force_sum_reductions, sdpa  # noqa: E402
+from titan_shim import (cpu_shim, force_sum_reductions, layer_summary,  # noqa: E402
+                        record_losses, sdpa)
 
 
 def main() -> None:
@@ -28,8 +26,6 @@ def main() -> None:
     from torchtitan import train
     from torchtitan.config import ConfigManager
     from torchtitan.trainer import Trainer
-
-    from fp8ops.integrations.torchtitan import FP8TitanLinear
 
     parse_args = ConfigManager.parse_args
 
@@ -42,22 +38,11 @@ def main() -> None:
 
     def train_and_record(self):
         force_sum_reductions(self.model_parts[0])
-        losses, log = {}, self.metrics_processor.log
-
-        def record(step, loss, *args, **kwargs):
-            losses[step] = float(loss)
-            return log(step, loss, *args, **kwargs)
-
-        self.metrics_processor.log = record
+        losses = record_losses(self)
         result = run(self)
-        linears = {n: isinstance(m, FP8TitanLinear)
-                   for n, m in self.model_parts[0].named_modules()
-                   if isinstance(m, torch.nn.Linear)}
-        high = sum(m.fp8_state.high_precision_calls for m in self.model_parts[0].modules()
-                   if isinstance(m, FP8TitanLinear))
         path = os.path.join(os.environ["FP8OPS_TITAN_OUT"], f"rank{os.environ['RANK']}.json")
         with open(path, "w") as f:
-            json.dump({"losses": losses, "fp8": linears, "high_precision_calls": high}, f)
+            json.dump({"losses": losses, **layer_summary(self.model_parts[0])}, f)
         return result
 
     ConfigManager.parse_args = parse_args_on_cpu

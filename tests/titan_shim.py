@@ -8,6 +8,8 @@ never to torchtitan's files (tests/test_torchtitan.py; tests/titan_cli_main.py f
     sums: the factor is 1);
   - sdpa: flex attention needs torch.compile on the CPU; a model config gets torchtitan's
     ScaledDotProductAttention (causal) in its place.
+And what a run reports to the test: record_losses (the losses torchtitan logs) and layer_summary
+(which layers of the trained model are what).
 """
 from __future__ import annotations
 
@@ -94,3 +96,38 @@ def sdpa(model_config):
         else:
             setattr(parent, attr, ScaledDotProductAttention.Config())
     return model_config
+
+
+def record_losses(trainer) -> dict:
+    """{step: loss} of the losses the trainer logs (torchtitan's global average), filled as it
+    trains."""
+    losses, log = {}, trainer.metrics_processor.log
+
+    def record(step, loss, *args, **kwargs):
+        losses[step] = float(loss)
+        return log(step, loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = record
+    return losses
+
+
+def layer_summary(model) -> dict:
+    """Which modules of the trained model are what (for the assertions in pytest)."""
+    from torch.distributed.tensor import DTensor
+
+    from fp8ops.distributed.fsdp import FP8WeightShard
+    from fp8ops.integrations.torchtitan import FP8GroupedExperts, FP8TitanLinear
+
+    # (FSDP2 renames the classes of the modules it wraps: FSDPLinear)
+    linears = {n: "fp8" if isinstance(m, FP8TitanLinear) else "high precision"
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    fp8 = [m for m in model.modules() if isinstance(m, FP8TitanLinear)]
+    gathered = [isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, FP8WeightShard)
+                for m in fp8]
+    tp_sharded = [isinstance(m.weight, DTensor) and "tp" in m.weight.device_mesh.mesh_dim_names
+                  and m.weight.placements[m.weight.device_mesh.mesh_dim_names.index("tp")]
+                  .is_shard() for m in fp8]
+    return {"linears": linears, "fp8_layers": len(fp8), "fp8_gathered": sum(gathered),
+            "tp_sharded": sum(tp_sharded),
+            "high_precision_calls": sum(m.fp8_state.high_precision_calls for m in fp8),
+            "fp8_experts": sum(isinstance(m, FP8GroupedExperts) for m in model.modules())}

@@ -21,7 +21,7 @@ from ...nn.grouped_quantizers import RowsCast
 from ...nn.quantizers import quantizer_for
 from ...scaling import current_scale, grad_margin
 from ..wire import blocks
-from .routing import Routing, all_to_all_rows
+from .routing import Routing, all_to_all_rows, counts_of
 
 _ops = torch.ops.fp8ops
 _F32 = torch.float32
@@ -80,8 +80,7 @@ def values(wire: WireCast, offsets: torch.Tensor, dtype: torch.dtype) -> torch.T
     """The values the cast stands for, in `dtype` (its rows sorted by expert with `offsets`)."""
     if wire.blockwise:
         return _ops.dequantize_blockwise(wire.data, wire.scale_inv, 1, BLOCK, dtype)
-    counts = torch.diff(offsets.to(torch.int64), prepend=offsets.new_zeros(1, dtype=torch.int64))
-    row_scale_inv = torch.repeat_interleave(wire.scale_inv, counts,
+    row_scale_inv = torch.repeat_interleave(wire.scale_inv, counts_of(offsets),
                                             output_size=wire.data.shape[0])
     return (wire.data.to(_F32) * row_scale_inv.unsqueeze(1)).to(dtype)
 

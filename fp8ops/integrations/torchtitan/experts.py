@@ -58,11 +58,6 @@ class FP8GroupedExperts(GroupedExperts):
         self.fp8_all_gather = config.fp8_all_gather
         caches.track(self)  # (an optimizer given only parameters finds the caches)
 
-    @property
-    def recipe(self):
-        """The fp8ops recipe the experts run."""
-        return self.fp8_recipe
-
     def __setattr__(self, name, value):
         # FSDP2 sets its sharded parameter through setattr when a module defines it: there
         # fp8ops.distributed's hook has FSDP2 gather the experts in FP8 (nn.sharding)
