@@ -75,10 +75,8 @@ class CommCount(TorchDispatchMode):
             self.calls[kind] += 1
             if kind == "all_gather":  # the output: the first argument (c10d) or the result
                 self.bytes[kind] += _nbytes(args[0]) if ns == "c10d" else 0
-            elif kind == "reduce_scatter":  # the input: the second argument (c10d) or the first
-                self.bytes[kind] += _nbytes(args[1] if ns == "c10d" else args[0])
-            elif kind == "all_to_all":  # the input: the second argument (c10d) or the first
-                self.bytes[kind] += _nbytes(args[1] if ns == "c10d" else args[0])
+            elif kind in ("reduce_scatter", "all_to_all"):  # the input: the second argument
+                self.bytes[kind] += _nbytes(args[1] if ns == "c10d" else args[0])  # (c10d) or first
             elif kind == "all_reduce":
                 self.bytes[kind] += _nbytes(args[0])
             out = func(*args, **kwargs)

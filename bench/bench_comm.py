@@ -101,7 +101,6 @@ def build(model_name, setup, device, world, seq_len, fresh_batches=True):
     """(model sharded by FSDP2, a function giving this rank's batch loss, converted fqns).
     fresh_batches=False: every call reuses one batch made on the device (timing: no host-side
     random numbers in the step)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     reduction = _comm_reductions.parse(setup)
     recipe_name, _, gather = ("current:fp8" if reduction else setup).partition(":")
@@ -128,13 +127,8 @@ def build(model_name, setup, device, world, seq_len, fresh_batches=True):
         # FP8 at every shape (no measured fallback): the two gathers feed the same FP8 GEMMs
         fp8ops.convert_to_fp8(model, RECIPES[recipe_name](), filter_fn=filter_fn,
                               fp8_all_gather=gather == "fp8", fallback="never")
-    if reduction:
-        model = _comm_reductions.distribute(model, blocks, *reduction)
-    else:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        for block in blocks:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+    # (the weight-gather setups: FSDP2 with bf16 parameters, its own bf16 reduce-scatter)
+    model = _comm_reductions.distribute(model, blocks, *(reduction or ("fsdp", "bf16")))
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
 
     if model_name == "llama8b_block":
@@ -353,7 +347,7 @@ def main(argv=None):
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            f.write("# Collective bytes of one FSDP2 step (`python bench/bench_comm.py`)\n\n"
+            f.write("# Collective bytes of one training step (`python bench/bench_comm.py`)\n\n"
                     + text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(dict(args={k: v for k, v in vars(args).items() if k != "out"},

@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ for _p in (HERE, ROOT):
     if _p not in sys.path:
         sys.path.append(_p)
 import fp8ops  # noqa: E402
+import bench_comm  # noqa: E402  (its ranks' entry and exit)
 from _comm_count import CommCount  # noqa: E402
 
 RECIPES = {"current": fp8ops.CurrentScaling, "blockwise": fp8ops.BlockwiseScaling}
@@ -107,16 +107,10 @@ def measure(rank, recipe_name, fp8, args) -> dict:
 
 
 def _entry(rank, world, jobs, out_dir, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
-                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    bench_comm.init_rank(rank, world, "gloo", out_dir, threads=1)
     results = {job: measure(rank, job[0], job[1], args) for job in jobs}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # (as bench_comm.py's leave_rank: no interpreter teardown under gloo threads)
+    bench_comm.leave_rank()
 
 
 def run(world, jobs, args) -> dict:

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import fp8ops  # noqa: E402,F401
-from _timing import device_info, results_dir, time_cuda, time_step, write_table  # noqa: E402
+from _timing import device_info, require_gpu, time_cuda, time_step, write_table  # noqa: E402
 from fp8ops.distributed.wire import blocks  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -50,7 +50,7 @@ def measure(size_mb: float, world: int, device: str, iters: int) -> dict:
 def table(rows, world, info) -> str:
     lines = [f"FP8 reduction casts, world {world} chunks, blocks of 128, E4M3, {info}; median "
              f"ms with the L2 flushed, ratios to a copy of the float32 gradient in the same run.", "",
-             "| gradient MB | copy ms | encode ms | encode / copy | decode_sum ms | "
+             "| gradient MiB | copy ms | encode ms | encode / copy | decode_sum ms | "
              "decode_sum / copy |", "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ms = r["ms"]
@@ -62,19 +62,20 @@ def table(rows, world, info) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-mb", default="64,256")
+    ap.add_argument("--sizes-mb", default="64,256",
+                    help="float32 gradient sizes in MiB (2^20 bytes)")
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", default=None, help="results folder (default bench/results; a CPU "
                     "smoke run writes only here)")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU visible: --device cpu for a smoke run")
+    if args.device == "cuda":
+        require_gpu()
     rows = [measure(float(s), args.world, args.device, args.iters)
             for s in args.sizes_mb.split(",") if s]
     info = device_info(args.device)
-    text = table(rows, args.world, f"{info.get('device', args.device)}, torch {torch.__version__}")
+    text = table(rows, args.world, f"{info['device']}, torch {torch.__version__}")
     out = args.out or (os.path.join(HERE, "results") if args.device == "cuda" else None)
     write_table(out, "wire_casts.md", text)
     return rows

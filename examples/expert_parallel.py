@@ -38,44 +38,56 @@ def parallelize(model, device: torch.device, world: int):
     return model
 
 
-def param_groups(model, **hyper) -> list:
+def param_groups(model) -> list:
     """The replicated parameters and the experts' shards as two parameter groups."""
     params = list(model.parameters())
     experts = [p for p in params if isinstance(p, DTensor)]
     replicated = [p for p in params if not isinstance(p, DTensor)]
-    return [dict(params=replicated, **hyper)] + ([dict(params=experts, **hyper)] if experts else [])
+    return [dict(params=replicated)] + ([dict(params=experts)] if experts else [])
+
+
+def _grads(model) -> tuple:
+    """(the replicated parameters' gradients, the local parts of the experts' gradients)."""
+    replicated, shards = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            if isinstance(p.grad, DTensor):
+                shards.append(p.grad.to_local())
+            else:
+                replicated.append(p.grad)
+    return replicated, shards
 
 
 def reduce_gradients(model, world: int) -> None:
-    """The mean over the ranks' losses of every gradient (module doc)."""
+    """The mean over the ranks' losses of every gradient (module doc): the replicated ones
+    summed in one all-reduce per dtype (gloo has no AVG), then every gradient divided."""
     if world == 1:
         return
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if not isinstance(p, DTensor):
-            dist.all_reduce(p.grad)  # SUM: gloo has no AVG
-        p.grad.div_(world)
+    replicated, shards = _grads(model)
+    for dtype in {g.dtype for g in replicated}:
+        grads = [g for g in replicated if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in
+                                     zip(flat.split([g.numel() for g in grads]), grads)])
+    torch._foreach_div_(replicated + shards, world)
 
 
 def clip_grad_norm_(model, max_norm: float) -> float:
     """torch.nn.utils.clip_grad_norm_ over replicated gradients and the experts' shards: the
     norm of all of them, the same on every rank."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    replicated, shards = _grads(model)
+    if not replicated and not shards:
+        return 0.0
+    device = (replicated or shards)[0].device
     # (on the gradients' device: NCCL all-reduces device tensors)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
-    shards = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        if isinstance(g, DTensor):
-            shards += g.to_local().double().square().sum()
-        else:
-            replicated += g.double().square().sum()
+    shards_sq = torch.nn.utils.get_total_norm(shards).square() if shards else \
+        torch.zeros((), device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(shards)  # each rank holds other experts
-    total = math.sqrt(float(replicated + shards))
+        dist.all_reduce(shards_sq)  # each rank holds other experts
+    replicated_sq = torch.nn.utils.get_total_norm(replicated).square() if replicated else 0.0
+    total = math.sqrt(float(replicated_sq + shards_sq))
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        torch._foreach_mul_(replicated + shards, coef)
     return total

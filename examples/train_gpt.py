@@ -219,7 +219,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "out"))
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 2 for --size cpu, 1 for tiny, else torch's; "
-                        "with --fsdp, torchrun's)")
+                        "with --fsdp, --ddp or --ep, torchrun's)")
     p.add_argument("--cpu-isa", choices=CPU_ISAS, default=None,
                    help="the instruction set torch's CPU kernels may use: avx2 (the cpu and tiny "
                         "presets' default: the kernels docs/demo.md's losses were made with) or "
@@ -293,7 +293,7 @@ def parse_args(argv=None):
             p.error("--ep N takes --moe, and neither --fsdp nor --offload")
         if args.experts % args.ep:
             p.error(f"--ep {args.ep}: --experts {args.experts} does not split evenly over the ranks")
-        if args.recipes == [r.strip() for r in p.get_default("recipes").split(",")]:
+        if args.recipes == DEFAULT_RECIPES:
             args.recipes = [r for r in args.recipes if r in expert_parallel.RECIPES]
         other = [r for r in args.recipes if r not in expert_parallel.RECIPES]
         if other:
@@ -348,7 +348,7 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------------------------------
-# data parallel (--fsdp)
+# data and expert parallel (--fsdp, --ddp, --ep)
 # ---------------------------------------------------------------------------------------------
 class Ranks:
     """This process's place in the data-parallel group: one process (rank 0 of 1) without --fsdp,
@@ -380,8 +380,8 @@ class Ranks:
                      f"{self.world} processes")
         if args.batch_size % self.world:
             self.close()
-            sys.exit(f"--fsdp / --ep: batch_size {args.batch_size} does not divide by the world size "
-                     f"{self.world}: every rank takes an equal slice of each batch")
+            sys.exit(f"--fsdp / --ddp / --ep: batch_size {args.batch_size} does not divide by "
+                     f"the world size {self.world}: every rank takes an equal slice of each batch")
 
     @property
     def main(self) -> bool:

@@ -121,7 +121,7 @@ if want quickbench; then
     --out "$OUT/results" > "$OUT/bench_grouped.log" 2>&1
   rc=$?; record $rc bench_grouped
 
-  section "bench/bench_wire_casts.py: the FP8 reduce-scatter's casts against a copy (64 and 256 MB)"
+  section "bench/bench_wire_casts.py: the FP8 reduce-scatter's casts against a copy (64 and 256 MiB)"
   timeout 30 python3 bench/bench_wire_casts.py --sizes-mb 64,256 --iters 10 \
     --out "$OUT/results" > "$OUT/bench_wire_casts.log" 2>&1
   rc=$?; record $rc bench_wire_casts
@@ -138,7 +138,7 @@ if want quickbench; then
   echo; echo "Demo, --size gpu, 60 steps:"; sed -n '/^| recipe |/,/^$/p' "$OUT/demo/results.md" 2>/dev/null
   echo; grep -E "^\| input MB|^\| ---|d2d copy|amax|quantize\+transpose|fused (delayed|current)" \
     "$OUT/results/cast.md" 2>/dev/null
-  echo; sed -n '/^| gradient MB/,$p' "$OUT/results/wire_casts.md" 2>/dev/null
+  echo; sed -n '/^| gradient MiB/,$p' "$OUT/results/wire_casts.md" 2>/dev/null
 fi
 
 if want bench; then
