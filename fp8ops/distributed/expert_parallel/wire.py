@@ -80,9 +80,12 @@ def values(wire: WireCast, offsets: torch.Tensor, dtype: torch.dtype) -> torch.T
     """The values the cast stands for, in `dtype` (its rows sorted by expert with `offsets`)."""
     if wire.blockwise:
         return _ops.dequantize_blockwise(wire.data, wire.scale_inv, 1, BLOCK, dtype)
-    row_scale_inv = torch.repeat_interleave(wire.scale_inv, counts_of(offsets),
-                                            output_size=wire.data.shape[0])
-    return (wire.data.to(_F32) * row_scale_inv.unsqueeze(1)).to(dtype)
+    # a scale per expert: each row one block of its expert's scale (one pass, no float32 copy)
+    rows, features = wire.data.shape
+    row_scale_inv = torch.repeat_interleave(wire.scale_inv, counts_of(offsets), output_size=rows)
+    block = max(features, 1)  # (a row of no features has no block)
+    return _ops.dequantize_blockwise(wire.data, row_scale_inv.view(rows, 1)[:, :features], 1,
+                                     block, dtype)
 
 
 def rows_cast(wire: WireCast) -> RowsCast:
