@@ -13,11 +13,10 @@ import functools
 
 import pytest
 import torch
+import transformers
 
 import fp8ops
 from dist_spawn import spawn
-
-transformers = pytest.importorskip("transformers")
 
 TOKENS, K = 24, 2
 _COMMON = dict(vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
