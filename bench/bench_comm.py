@@ -342,18 +342,25 @@ def main(argv=None):
     jobs = [(m, s) for m in args.models for s in setups(args.recipes, args.gathers)
             + [_comm_reductions.PREFIX + r for r in args.reductions]]
     results = run(jobs, args.world, args.backend, args.seq_len, args.threads)
-    text = table(results, args)
-    print("\n" + text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write("# Collective bytes of one training step (`python bench/bench_comm.py`)\n\n"
-                    + text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(dict(args={k: v for k, v in vars(args).items() if k != "out"},
-                           torch=torch.__version__, rows=rows(results),
-                           reductions=_comm_reductions.rows(results)), f, indent=1)
+    write_results(args, "Collective bytes of one training step (`python bench/bench_comm.py`)",
+                  table(results, args), rows=rows(results),
+                  reductions=_comm_reductions.rows(results))
     return results
+
+
+def write_results(args, title: str, text: str, **payload) -> None:
+    """Print the table `text`; write it under `title` to args.out (markdown) and, beside it, the
+    run's arguments, torch's version and `payload` as JSON (nothing is written when args.out is
+    empty)."""
+    print("\n" + text)
+    if not args.out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(f"# {title}\n\n{text}")
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(dict(args={k: v for k, v in vars(args).items() if k != "out"},
+                       torch=torch.__version__, **payload), f, indent=1)
 
 
 if __name__ == "__main__":

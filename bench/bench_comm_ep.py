@@ -23,7 +23,6 @@ backward is counted too and must add up to the pieces. Writes bench/results/comm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -180,16 +179,9 @@ def main(argv=None):
     for world in args.world:
         for job, counts in run(world, jobs, args).items():
             results[(world, *job)] = counts
-    text = table(results, args)
-    print("\n" + text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write("# Collective bytes of one expert-parallel step "
-                    "(`python bench/bench_comm_ep.py`)\n\n" + text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(dict(args={k: v for k, v in vars(args).items() if k != "out"},
-                           torch=torch.__version__, rows=rows(results)), f, indent=1)
+    bench_comm.write_results(
+        args, "Collective bytes of one expert-parallel step (`python bench/bench_comm_ep.py`)",
+        table(results, args), rows=rows(results))
     return results
 
 
