@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 from torch import nn
 
 from . import compressed_tensors, fp8
@@ -44,15 +45,17 @@ def export_fp8(model: nn.Module, out_dir, *, format: str = "compressed-tensors")
         raise ValueError(f"export_fp8: the parameters have several dtypes "
                          f"({sorted(map(str, dtypes))}): cast the model to one first")
     dtype = dtypes.pop()
-    tensors = {k: v.contiguous() for k, v in plain.items()}
+    tensors = dict(plain)
     tensors.update(writer.tensors(weights, dtype))
     as_dict = config.to_dict()
     as_dict["dtype"] = str(dtype).replace("torch.", "")
     as_dict.pop("torch_dtype", None)
     as_dict["quantization_config"] = writer.quantization_config(layout, ignore, dtype)
     os.makedirs(out_dir, exist_ok=True)
-    # (cloned: per-expert tensors are views of one cast, which safetensors refuses)
-    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()},
+    # one copy each, on the host and contiguous: per-expert tensors are views of one cast and a
+    # per-tensor scale fills its grid by expand, which safetensors refuses
+    save_file({k: v.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+               for k, v in tensors.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(as_dict, f, indent=2, sort_keys=True)

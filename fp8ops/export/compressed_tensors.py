@@ -33,8 +33,8 @@ def tensors(fp8: dict, dtype) -> dict:
         scale = w.scale_inv.reshape(1) if w.layout == "tensor" else w.scale_inv
         if w.layout == "mx" and not _native_mx(w.layout, dtype):
             scale = e8m0_to_float(scale)  # (the E8M0 bytes' float32 values)
-        out[key] = w.data.contiguous()
-        out[f"{base}.weight_scale"] = scale.contiguous()
+        out[key] = w.data
+        out[f"{base}.weight_scale"] = scale
     return out
 
 

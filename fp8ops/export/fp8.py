@@ -53,8 +53,8 @@ def tensors(fp8: dict, dtype) -> dict:
         check(w, key)  # (a per-tensor cast by its own rule, before its scale fills the grid)
         if w.layout == "tensor":
             w = FP8Weight(w.data, w.scale_inv.expand(_grid(w.data.shape)), "block")
-        out[key] = w.data.contiguous()
-        out[f"{base}.weight_scale_inv"] = w.scale_inv.contiguous()
+        out[key] = w.data
+        out[f"{base}.weight_scale_inv"] = w.scale_inv
     return out
 
 
