@@ -367,7 +367,10 @@ def test_moe_trains_with_fp8_experts():
     assert fp8["linears"]["lm_head"] == "high precision"
     assert sorted(fp8["losses"]) == list(range(1, STEPS + 1))
     assert base[STEPS] < 0.5 * base[1], base  # the baseline learns
-    assert abs(fp8["losses"][STEPS] - base[STEPS]) <= 0.05 * base[STEPS], (fp8["losses"], base)
+    gap = fp8["losses"][STEPS] / base[STEPS] - 1
+    print(f"MoE last loss: FP8 experts {fp8['losses'][STEPS]:.3f}, unconverted "
+          f"{base[STEPS]:.3f} ({gap:+.1%})")  # (the figure docs/torchtitan.md quotes)
+    assert abs(gap) <= 0.05, (fp8["losses"], base)
     assert fp8["losses"] != base
 
 
@@ -414,7 +417,8 @@ def test_torchrun_command_trains(tmp_path):
                "--nproc_per_node=2", script,
                "--module", "fp8ops.integrations.torchtitan", "--config", "llama3_debugmodel_fp8",
                "--training.steps", str(steps), "--training.local_batch_size", "2",
-               "--training.seq_len", "64", "--dump_folder", str(tmp_path / "dump")]
+               "--training.seq_len", "64", "--dump_folder", str(tmp_path / "dump"),
+               "--debug.seed", "42"]  # (the same initial weights in every run)
     env = {**os.environ, "FP8OPS_TITAN_OUT": str(out), "OMP_NUM_THREADS": "1",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -425,6 +429,8 @@ def test_torchrun_command_trains(tmp_path):
     losses = {int(k): v for k, v in ranks[0]["losses"].items()}
     assert sorted(losses) == list(range(1, steps + 1))
     assert all(math.isfinite(v) for v in losses.values())
+    print(f"torchrun command, loss at step 1: {losses[1]:.2f}, at step {steps}: "
+          f"{losses[steps]:.2f}")  # (the figures docs/torchtitan.md quotes)
     assert losses[steps] < 0.7 * losses[1], losses  # it learns the cycle
     blocks = {n: kind for n, kind in ranks[0]["linears"].items() if n.startswith("layers.")}
     assert blocks and set(blocks.values()) == {"fp8"}, blocks
