@@ -64,7 +64,9 @@ def reduce_gradients(model, world: int) -> None:
     if world == 1:
         return
     replicated, shards = _grads(model)
-    for dtype in {g.dtype for g in replicated}:
+    # (dtypes in the parameters' order, the same on every rank: a set's order follows
+    # torch.dtype's hash, its address, which differs between processes)
+    for dtype in dict.fromkeys(g.dtype for g in replicated):
         grads = [g for g in replicated if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)

@@ -465,6 +465,41 @@ def test_train_gpt_ep_moe_tiny(tmp_path):
             assert b["device_state_mib"] < 0.8 * a["device_state_mib"]
 
 
+def _ep_gradients_worker(rank, out_dir):
+    """The --ep example's gradient reduction and clipping on replicated gradients of two dtypes,
+    rank r's gradient i filled with (r + 1) * (i + 1)."""
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import expert_parallel
+    shapes = [(5, torch.float32), (3, torch.bfloat16), (2, torch.float32)]
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+                                    for n, dtype in shapes])
+    for i, p in enumerate(model):
+        p.grad = torch.full_like(p, float((rank + 1) * (i + 1)))
+    expert_parallel.reduce_gradients(model, dist.get_world_size())
+    means = [p.grad.clone() for p in model]
+    norm = expert_parallel.clip_grad_norm_(model, 1.0)
+    return {"means": means, "norm": norm, "clipped": [p.grad for p in model]}
+
+
+def test_ep_gradients_of_several_dtypes():
+    """Each dtype's gradients all-reduced on their own, to the mean over the ranks (exact: the
+    sums are small integers), then clipped by the norm of all of them."""
+    import torch
+    from dist_spawn import spawn
+    results = spawn(_ep_gradients_worker, world=2)
+    for res in results:
+        for i, (mean, dtype) in enumerate(zip(res["means"], [torch.float32, torch.bfloat16,
+                                                             torch.float32], strict=True)):
+            assert mean.dtype == dtype and torch.equal(mean, torch.full_like(mean, 1.5 * (i + 1)))
+        norm = math.sqrt(5 * 1.5 ** 2 + 3 * 3.0 ** 2 + 2 * 4.5 ** 2)
+        assert res["norm"] == pytest.approx(norm, rel=1e-2)
+        for mean, clipped in zip(res["means"], res["clipped"], strict=True):
+            assert torch.allclose(clipped.float(), mean.float() / norm, rtol=1e-2)
+    assert results[0]["norm"] == results[1]["norm"]
+
+
 def test_train_gpt_ep_errors(tmp_path):
     for bad, message in [(["--ep", "2"], "--ep N takes --moe"),
                          (["--ep", "3", "--moe"], "does not split evenly"),
