@@ -9,6 +9,7 @@ scales agree. DDP runs with its defaults (buffers broadcast from rank 0 before e
 that is harmless only because every fp8 buffer is identical on every rank between steps."""
 from __future__ import annotations
 
+import gc
 import math
 import os
 import warnings
@@ -168,6 +169,44 @@ def _compiled_worker(rank, out_dir):
             losses.append(loss.item())
         out[name] = losses
     return out
+
+
+def _compiled_tp_recompiles_worker(rank, out_dir):
+    """A compiled tensor-parallel model (delayed scaling) trained 6 steps, another one trained
+    eagerly and dropped before the fourth: the graphs compiled so far after each step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def tensor_parallel_model():
+        torch.manual_seed(0)
+        model = fp8ops.convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(),
+                                                    nn.Linear(64, 32)), fp8ops.DelayedScaling())
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)),
+                           {"0": fp8ops.FP8ColwiseParallel(), "2": fp8ops.FP8RowwiseParallel()})
+        return model
+
+    model = tensor_parallel_model()
+    compiled = torch.compile(model, backend=counting_backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    counts = []
+    for step in range(6):
+        if step == 3:
+            other = tensor_parallel_model()
+            other(x).square().mean().backward()
+            del other
+            gc.collect()
+        compiled(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(len(graphs))
+    return counts
 
 
 def stale_weight_casts(model):
@@ -457,6 +496,15 @@ def test_compiled_ddp_and_tensor_parallel_layers_train():
     for name, losses in r0.items():
         assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0], (name, losses)
         assert r1[name] == losses, name  # the same data on both ranks
+
+
+def test_compiled_tensor_parallel_layers_do_not_recompile():
+    """After the first two steps (the second leaves the warm start) a compiled tensor-parallel
+    layer compiles nothing more: nothing it traces depends on a step's weight-cache state, nor
+    on other models' layers coming and going."""
+    for counts in spawn(_compiled_tp_recompiles_worker):
+        assert counts[1] >= counts[0] > 0, counts
+        assert counts[2:] == [counts[1]] * 4, counts
 
 
 def test_fsdp2_matches_ddp(ddp):

@@ -162,8 +162,12 @@ def _prepare_weight(module: FP8Linear, sharded_roles) -> None:
                            "shards would be cast with their own scales. Convert the model "
                            "before parallelizing it")
     state.set_recording(module.training)  # as FP8Linear.forward
-    _end_stale_cast(module)
-    _hook_weight(module)
+    if not torch.compiler.is_compiling():
+        # the weight cache's bookkeeping, eager only: a compiled layer casts every call, and a
+        # traced lookup would guard on these process-wide weak maps and on the cache's
+        # generation (a recompile each step; a dropped model's entries vanish mid-frame)
+        _end_stale_cast(module)
+        _hook_weight(module)
 
 
 # the roles whose tensors the ranks hold in shards, by the weight's sharded dimension:
